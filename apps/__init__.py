@@ -1,0 +1,1 @@
+"""Programs on top of the engine: chat, serve, summarize, bench, and the `localllm` CLI."""

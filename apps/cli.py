@@ -1,0 +1,148 @@
+"""The `localllm` console script."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from localllm.errors import LocalLLMError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="GGUF file (default: $LOCALLLM_MODEL, the config "
+                   "file, then the installed default model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="compute dtype (default: bfloat16)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context length to serve (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=float, default=0,
+                   help="KV cache size in GiB (default: up to 1 GiB)")
+
+
+def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localllm", description="Local LLM runtime")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _model_args(g)
+    _sampling_args(g, temperature=0.8)
+    g.add_argument("--chat", action="store_true",
+                   help="treat PROMPT as one user message put through the chat template")
+    g.add_argument("prompt", metavar="PROMPT")
+
+    t = sub.add_parser("tokenize", help="print the token ids of TEXT")
+    t.add_argument("--model", "-m")
+    t.add_argument("--special", action="store_true",
+                   help="let special-token text become special tokens")
+    t.add_argument("text", metavar="TEXT")
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    _model_args(c)
+    _sampling_args(c, temperature=0.7)
+    c.add_argument("--system", default=None, help="system prompt")
+    return parser
+
+
+def _sampling(args: argparse.Namespace):  # -> SamplingParams
+    from localllm.config import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+
+
+def load_llm(args: argparse.Namespace):  # -> LLM
+    from localllm.config import CacheConfig, SchedulerConfig
+    from localllm.llm import LLM
+    from localllm.loader import stderr_progress
+
+    cache = CacheConfig(memory_bytes=int(args.kv_cache_memory * 2**30))
+    sched = SchedulerConfig(max_model_len=args.max_model_len)
+    return LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
+               num_threads=args.threads, progress=stderr_progress("loading"))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    llm = load_llm(args)
+    params = _sampling(args)
+    ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+           else llm.encode(args.prompt))
+    t1 = time.perf_counter()
+    n = 0
+    first = None
+    reason = None
+    for out in llm.stream(ids, params):
+        if out.token_ids and first is None:
+            first = time.perf_counter()
+        n += len(out.token_ids)
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+        reason = out.finish_reason
+        if out.error:
+            print(f"\nlocalllm: error: {out.error}", file=sys.stderr)
+            return 1
+    t2 = time.perf_counter()
+    sys.stdout.write("\n")
+    decode = (n - 1) / (t2 - first) if first and n > 1 and t2 > first else 0.0
+    print(f"[load {t1 - t0:.2f} s | prompt {len(ids)} tokens, first token "
+          f"{(first or t2) - t1:.3f} s | {n} tokens, {decode:.1f} tokens/s | {reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from localllm.gguf.reader import GGUFFile
+    from localllm.model_path import resolve_model
+    from localllm.text.tokenizer import Tokenizer
+
+    gf = GGUFFile(resolve_model(args.model))
+    tok = Tokenizer.from_gguf_metadata(gf.metadata, source=str(gf.path))
+    ids = tok.encode(args.text, add_special=True, parse_special=args.special)
+    print(" ".join(map(str, ids)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="localllm: %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "tokenize":
+            return cmd_tokenize(args)
+        if args.command == "chat":
+            from localllm.apps.chat import run_chat
+
+            return run_chat(args, load_llm(args), _sampling(args))
+    except LocalLLMError as e:
+        print(f"localllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

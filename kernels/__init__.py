@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its plain-PyTorch reference `*_ref` (GPU backend)."""

@@ -1,0 +1,194 @@
+"""Frozen configuration objects, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from localllm.errors import ModelLoadError, RequestError
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: none | linear | llama3 | yarn."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_context: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "linear", "llama3", "yarn"):
+            raise ModelLoadError(f"unsupported RoPE scaling type {self.kind!r}")
+        if self.factor <= 0:
+            raise ModelLoadError(f"RoPE scaling factor must be positive, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    context_length: int
+    rope_neox: bool  # True: rotate halves (NEOX/HF layout); False: rotate adjacent pairs (GGUF llama)
+    tie_word_embeddings: bool
+    attn_bias: bool = False  # Q/K/V projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on Q and K before RoPE (Qwen3)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(
+                f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "rope_dim", "context_length"):
+            if getattr(self, attr) <= 0:
+                raise ModelLoadError(f"model config: {attr} must be positive, got "
+                                     f"{getattr(self, attr)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"model config: {self.num_heads} attention heads are not a "
+                                 f"multiple of {self.num_kv_heads} KV heads")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ModelLoadError(f"model config: RoPE dimension {self.rope_dim} does not fit head "
+                                 f"dimension {self.head_dim}")
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], n_vocab_fallback: int = 0,
+                           has_output: bool = True) -> ModelConfig:
+        """Build from GGUF metadata with the defaults llama.cpp applies to missing keys."""
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError("GGUF metadata has no general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
+
+        def get(key: str, default: Any = None, required: bool = False) -> Any:
+            full = f"{arch}.{key}"
+            if full in meta:
+                return meta[full]
+            if required:
+                raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
+            return default
+
+        hidden = int(get("embedding_length", required=True))
+        n_heads = int(get("attention.head_count", required=True))
+        n_kv = int(get("attention.head_count_kv", n_heads))
+        head_dim = int(get("attention.key_length", hidden // n_heads))
+        vocab = get("vocab_size")
+        if vocab is None:
+            tokens = meta.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if isinstance(tokens, list) else n_vocab_fallback
+        scaling = RopeScaling()
+        kind = get("rope.scaling.type", "none")
+        if kind in ("linear", "yarn"):
+            scaling = RopeScaling(
+                kind=kind, factor=float(get("rope.scaling.factor", 1.0)),
+                original_context=int(get("rope.scaling.original_context_length", 0)),
+            )
+        elif kind not in ("none", None):
+            raise ModelLoadError(f"unsupported RoPE scaling type {kind!r}")
+        name = meta.get("general.name", "")
+        return cls(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", required=True)),
+            num_layers=int(get("block_count", required=True)),
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_dim=int(get("rope.dimension_count", head_dim)),
+            context_length=int(get("context_length", 2048)),
+            rope_neox=arch in ("qwen2", "qwen3"),
+            tie_word_embeddings=not has_output,
+            attn_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            rope_scaling=scaling,
+            name=str(name),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # 0: size from memory_bytes
+    memory_bytes: int = 0  # 0: enough for max_model_len tokens of every running sequence
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks < 0 or self.memory_bytes < 0:
+            raise ValueError("num_blocks and memory_bytes must not be negative")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # running requests at once
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_model_len: int = 0  # 0: the model's context length
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise RequestError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}"
+            )
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

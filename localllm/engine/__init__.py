@@ -1,0 +1,1 @@
+"""The engine: requests, block manager, scheduler, model runner, sampler, front ends."""

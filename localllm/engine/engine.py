@@ -1,0 +1,194 @@
+"""The synchronous engine: one step = schedule, run, update, then text output per request."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import NamedTuple
+
+import torch
+
+from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
+from localllm.engine.block_manager import BlockManager
+from localllm.engine.metrics import EngineStats
+from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
+from localllm.engine.request import FinishReason, Request, RequestStatus
+from localllm.engine.sampler import Sampler
+from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from localllm.errors import RequestError
+from localllm.loader import LoadedModel
+from localllm.text.detokenizer import IncrementalDetokenizer, StopChecker
+
+log = logging.getLogger("localllm")
+
+DEFAULT_KV_MEMORY = 1 << 30
+
+
+class RequestOutput(NamedTuple):
+    request_id: str
+    text: str  # text completed since the previous output of this request
+    token_ids: list[int]  # tokens sampled since the previous output
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class _TextState:
+    def __init__(self, engine: LLMEngine, req: Request) -> None:
+        self.detok = IncrementalDetokenizer(engine.tokenizer)
+        self.stops = StopChecker(req.params.stop)
+        self.sent_tokens = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
+                 sched: SchedulerConfig | None = None) -> None:
+        cache = cache or CacheConfig()
+        sched = sched or SchedulerConfig()
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        cfg = loaded.config
+        self.max_model_len = min(sched.max_model_len or cfg.context_length, cfg.context_length)
+        per_block = kv_bytes_per_token(cfg, loaded.model.dtype) * cache.block_size
+        if cache.num_blocks:
+            num_blocks = cache.num_blocks
+        else:
+            budget = cache.memory_bytes or min(DEFAULT_KV_MEMORY, available_memory() // 4)
+            useful = sched.max_num_seqs * -(-self.max_model_len // cache.block_size)
+            num_blocks = max(1, min(budget // per_block, useful))
+        self.num_blocks = num_blocks
+        self.block_size = cache.block_size
+        self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint)
+        self.scheduler = Scheduler(sched, self.bm, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._texts: dict[str, _TextState] = {}
+        self._requests: dict[str, Request] = {}
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB", num_blocks,
+                 cache.block_size, num_blocks * cache.block_size, num_blocks * per_block / 2**20)
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; give at least one token of text")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                f"{self.max_model_len}; shorten the prompt or raise --max-model-len")
+        if self.bm.blocks_needed(len(prompt_ids) + 1) > self.num_blocks:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only "
+                f"{self.num_blocks * self.block_size}; raise --kv-cache-memory")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})")
+        req = Request(prompt_ids, params, request_id)
+        if req.request_id in self._requests:
+            raise RequestError(f"request id {req.request_id!r} is already in use")
+        with self._lock:
+            self._requests[req.request_id] = req
+            self._texts[req.request_id] = _TextState(self, req)
+            self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe: the request ends (reason 'abort') at the next step boundary."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborts)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.ABORT)
+                outputs.append(self._output(req, []))
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return outputs
+        sampled = self._run(out)
+        self.scheduler.update(out, sampled, self.tokenizer.stop_ids)
+        self.stats.record_step(out.num_tokens, len(out.preempted))
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id in sampled or req.is_finished:
+                new = [sampled[req.request_id]] if req.request_id in sampled else []
+                outputs.append(self._output(req, new))
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> dict[str, int]:
+        try:
+            return self._run_batch(out.scheduled)
+        except Exception:
+            log.exception("a batched step failed; retrying its requests one by one")
+        sampled: dict[str, int] = {}
+        for s in out.scheduled:
+            try:
+                sampled.update(self._run_batch([s]))
+            except Exception as e:
+                log.exception("request %s failed", s.request.request_id)
+                self.scheduler.finish(s.request, FinishReason.ERROR,
+                                      f"{type(e).__name__}: {e}")
+        return sampled
+
+    def _run_batch(self, batch: list[ScheduledRequest]) -> dict[str, int]:
+        logits, sampling = self.runner.execute(batch)
+        if not sampling:
+            return {}
+        if not torch.isfinite(logits).any(-1).all():
+            raise FloatingPointError("the model produced no finite logits")
+        tokens = self.sampler(logits, sampling)
+        return {r.request_id: t for r, t in zip(sampling, tokens)}
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        st = self._texts[req.request_id]
+        text = ""
+        hit = False
+        for t in new:
+            if t in self.tokenizer.stop_ids and not req.params.ignore_eos:
+                continue
+            piece, hit = st.stops.feed(st.detok.add(t))
+            text += piece
+            if hit:
+                break
+        if hit and not req.is_finished:
+            self.scheduler.finish(req, FinishReason.STOP)
+        if req.is_finished:
+            if not hit and req.finish_reason is not FinishReason.ABORT:
+                tail, hit = st.stops.feed(st.detok.flush())
+                text += tail
+                if not hit:
+                    text += st.stops.flush()
+            del self._texts[req.request_id]
+            del self._requests[req.request_id]
+        reason = req.finish_reason.value if req.finish_reason else None
+        return RequestOutput(req.request_id, text, new, req.is_finished, reason, req.error)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.status is RequestStatus.RUNNING)

@@ -1,0 +1,109 @@
+"""Runs the model on one scheduled batch: flat inputs, paged K/V pools, last-position logits."""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.config import ModelConfig
+from localllm.engine.request import Request
+from localllm.engine.scheduler import ScheduledRequest
+from localllm.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    TorchPagedAttention,
+)
+from localllm.models.llama import LlamaForCausalLM
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 device: torch.device | None = None,
+                 backend: AttentionBackend | None = None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.block_size = block_size
+        self.device = device or torch.device("cpu")
+        self.backend: AttentionBackend = backend or TorchPagedAttention()
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, block_size, model.dtype,
+                                            self.device)
+
+    def _prepare(self, batch: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        ctxs: list[int] = []
+        for s in batch:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            ids.extend(req.all_token_ids[start:end])
+            pos.extend(range(start, end))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qlens.append(s.num_new_tokens)
+            ctxs.append(end)
+        width = max(len(s.request.block_table) for s in batch)
+        tables = [s.request.block_table + [0] * (width - len(s.request.block_table))
+                  for s in batch]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            query_lens=qlens,
+            context_lens=ctxs,
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+
+    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; returns logits [num_sampling, vocab] fp32 and the sampling requests."""
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        last: list[int] = []
+        sampling: list[Request] = []
+        end = 0
+        for s, qlen in zip(batch, meta.query_lens):
+            end += qlen
+            if s.samples:
+                last.append(end - 1)
+                sampling.append(s.request)
+        if not last:
+            return torch.empty(0, self.cfg.vocab_size), sampling
+        idx = torch.tensor(last, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[idx]).cpu(), sampling
+
+
+def prompt_logits(model: LlamaForCausalLM, token_ids: list[int],
+                  block_size: int = 16) -> torch.Tensor:
+    """Teacher-forced logits of every position of one sequence: [len(token_ids), vocab] fp32.
+
+    Uses a private KV pool sized for the sequence, so it never touches an engine's cache.
+    """
+    n = len(token_ids)
+    nb = -(-n // block_size)
+    caches = allocate_kv_caches(model.cfg, nb, block_size, model.dtype, torch.device("cpu"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.long),
+        block_tables=torch.arange(nb, dtype=torch.long).unsqueeze(0),
+        query_lens=[n], context_lens=[n], block_size=block_size,
+    )
+    hidden = model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n), caches, meta,
+                   TorchPagedAttention())
+    return model.compute_logits(hidden)

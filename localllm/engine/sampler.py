@@ -1,0 +1,62 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds.
+
+Order per row: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw. Each
+request draws from its own seeded generator, so its output does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from localllm.engine.request import Request
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
+                             penalty: float) -> torch.Tensor:
+    # logits: [vocab]; as in CTRL / transformers: divide positive logits, multiply negative ones
+    if penalty == 1.0 or not token_ids:
+        return logits
+    idx = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+    vals = logits[idx]
+    logits = logits.clone()
+    logits[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Set excluded tokens to -inf. logits: [vocab] fp32, already divided by temperature."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        # logits: [num_seqs, vocab] fp32
+        if all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in requests):
+            return logits.argmax(-1).tolist()
+        out: list[int] = []
+        for row, req in zip(logits, requests):
+            p = req.params
+            row = apply_repetition_penalty(row, req.all_token_ids, p.repetition_penalty)
+            if p.greedy:
+                out.append(int(row.argmax()))
+                continue
+            row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = row.softmax(-1)
+            out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
+        return out

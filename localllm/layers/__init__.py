@@ -1,0 +1,1 @@
+"""Model building blocks: linear, attention, norm, rope, activation."""

@@ -1,0 +1,11 @@
+"""Activation functions of the MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # gate, up: [num_tokens, intermediate]
+    return F.silu(gate) * up

@@ -1,0 +1,101 @@
+"""Rotary position embeddings: default, linear, Llama-3 and YaRN frequency scaling.
+
+Two layouts:
+- pairs (GGUF `llama`, `rope_neox=False`): dims (2i, 2i+1) rotate together by angle p*f_i.
+- halves (NEOX / Hugging Face, `rope_neox=True`): dims (i, i + rope_dim/2) rotate together.
+Only the first `rope_dim` dims of each head rotate; the rest pass through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from localllm.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies [rope_dim/2] in fp32, scaling applied."""
+    dim = cfg.rope_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling
+    if sc.kind == "linear":
+        inv = inv / sc.factor
+    elif sc.kind == "llama3":
+        orig = sc.original_context or cfg.context_length
+        low_wl = orig / sc.low_freq_factor
+        high_wl = orig / sc.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (orig / wl - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+        scaled = torch.where(wl > low_wl, inv / sc.factor, inv)
+        mid = (wl <= low_wl) & (wl >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / sc.factor + smooth * inv, scaled)
+    elif sc.kind == "yarn":
+        orig = sc.original_context or cfg.context_length
+        # NTK-by-parts ramp between beta_fast=32 and beta_slow=1 rotations over orig context
+        def corr_dim(rot: float) -> float:
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(corr_dim(32.0)), 0)
+        high = min(math.ceil(corr_dim(1.0)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        extrap = 1 - ramp.clamp(0, 1)
+        inv = inv / sc.factor * (1 - extrap) + inv * extrap
+    if freq_factors is not None:  # Llama-3 GGUF files carry `rope_freqs.weight` divisors
+        inv = inv / freq_factors.to(torch.float64)
+    return inv.float()
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    sc = cfg.rope_scaling
+    if sc.kind != "yarn" or sc.factor <= 1:
+        return 1.0
+    return 0.1 * math.log(sc.factor) + 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rope_dim = cfg.rope_dim
+        self.neox = cfg.rope_neox
+        self.mscale = yarn_attention_factor(cfg)
+        self.max_positions = cfg.context_length
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    def set_freq_factors(self, factors: torch.Tensor, cfg: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(cfg, factors)
+        self._cos = torch.empty(0)
+
+    def _tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.shape[0] < n or self._cos.device != device:
+            size = max(n, min(self.max_positions, 4096))
+            pos = torch.arange(size, dtype=torch.float32, device=device)
+            freqs = torch.outer(pos, self.inv_freq.to(device))  # [positions, rope_dim/2]
+            self._cos = freqs.cos() * self.mscale
+            self._sin = freqs.sin() * self.mscale
+        return self._cos, self._sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, n_heads, head_dim]; k: [T, n_kv_heads, head_dim]
+        cos_t, sin_t = self._tables(int(positions.max()) + 1, positions.device)
+        cos = cos_t[positions].unsqueeze(1)  # [T, 1, rope_dim/2]
+        sin = sin_t[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        d = self.rope_dim
+        xr = x[..., :d].float()
+        if self.neox:
+            x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        out = out.to(x.dtype)
+        if d == x.shape[-1]:
+            return out
+        return torch.cat((out, x[..., d:]), dim=-1)
