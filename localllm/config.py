@@ -44,7 +44,7 @@ class ModelConfig:
     rope_theta: float
     rope_dim: int
     context_length: int
-    rope_neox: bool  # True: rotate halves (NEOX/HF layout); False: rotate adjacent pairs (GGUF llama)
+    rope_neox: bool  # True: rotate halves (NEOX/HF); False: adjacent pairs (GGUF llama)
     tie_word_embeddings: bool
     attn_bias: bool = False  # Q/K/V projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on Q and K before RoPE (Qwen3)

@@ -66,11 +66,14 @@ class LLM:
 
     def chat(self, conversations: Sequence[Message] | Sequence[Sequence[Message]],
              params: SamplingParams | None = None) -> list[Completion]:
+        """One conversation (a list of messages) or several; one completion each."""
         params = params or SamplingParams()
+        convs: list[Sequence[Message]]
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        ids = [self.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
-        return self._run_all(ids, params)
+            convs = [conversations]  # type: ignore[list-item]
+        else:
+            convs = list(conversations)  # type: ignore[arg-type]
+        return self._run_all([self.encode_chat(c) for c in convs], params)
 
     def _run_all(self, ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         reqs = [self.engine.add_request(p, params) for p in ids]

@@ -39,7 +39,7 @@ def _from_config(path: Path) -> str | None:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read the config file ({e}); fix or remove it")
+        raise ModelLoadError(f"{path}: unreadable config file ({e}); fix or remove it") from None
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ModelLoadError(f"{path}: 'model' must be a string path")

@@ -56,10 +56,8 @@ def split_rendered(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
 def encode_chat(tokenizer: Tokenizer, template: ChatTemplate,
                 messages: Sequence[Mapping[str, Any]],
                 add_generation_prompt: bool = True) -> list[int]:
-    ids: list[int] = []
-    for text, special in split_rendered(template, messages, add_generation_prompt):
-        ids.extend(tokenizer.encode(text, add_special=False, parse_special=special,
-                                    continuation=bool(ids)))
-    if tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_id):
-        ids.insert(0, tokenizer.bos_id)
+    ids = tokenizer.encode_pieces(split_rendered(template, messages, add_generation_prompt))
+    bos = tokenizer.bos_id
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
     return ids

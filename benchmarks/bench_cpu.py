@@ -1,0 +1,160 @@
+"""Prefill and decode speed of localllm beside llama.cpp (and optionally transformers), in one run.
+
+    python benchmarks/bench_cpu.py [--model PATH] [--threads 2] [--prompt-tokens 512]
+                                   [--decode-tokens 128] [--transformers] [--json OUT]
+
+Prefill: tokens/s of one forward pass over a prompt of --prompt-tokens tokens (pp512).
+Decode: tokens/s of --decode-tokens greedy steps after a short prompt (tg128).
+Each figure is the best of --repeat runs after one warm-up. Ratios are localllm / other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from localllm import LLM, SamplingParams  # noqa: E402
+from localllm.config import SchedulerConfig  # noqa: E402
+from localllm.model_path import resolve_model  # noqa: E402
+
+SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the budget "
+             "for the new library, and children read stories about dragons and distant stars. ")
+
+
+def prompt_ids(llm: LLM, n: int) -> list[int]:
+    ids = llm.encode(SEED_TEXT * (n // 20 + 2))
+    return ids[:n]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
+                   repeat: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    llm = LLM(path, dtype=dtype, scheduler=SchedulerConfig(max_num_batched_tokens=max(
+        n_prompt, 512), max_num_seqs=1))
+    load = time.perf_counter() - t0
+    ids = prompt_ids(llm, n_prompt)
+    pp = []
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        llm.generate([ids[:-1] + [ids[-1] ^ i]], SamplingParams(max_tokens=1, temperature=0))
+        pp.append(time.perf_counter() - t)
+    tg = []
+    short = ids[:8]
+    for _ in range(repeat + 1):
+        out = llm.generate([short], SamplingParams(max_tokens=n_decode, temperature=0,
+                                                   ignore_eos=True))[0]
+        times = out.times.token_times
+        tg.append((times[-1] - times[0]) / (len(times) - 1))
+    return {"load_s": load, "prefill_tok_s": n_prompt / min(pp[1:]),
+            "decode_tok_s": 1 / min(tg[1:]), "peak_rss_mib": peak_rss_mib(), "ids": ids}
+
+
+def bench_llama_cpp(path: Path, threads: int, n_prompt: int, n_decode: int,
+                    repeat: int, ids: list[int]) -> dict[str, float]:
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    load = time.perf_counter() - t0
+    pp = []
+    for _ in range(repeat + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        pp.append(time.perf_counter() - t)
+    tg = []
+    for _ in range(repeat + 1):
+        llm.reset()
+        llm.eval(ids[:8])
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([tok])
+        tg.append((time.perf_counter() - t) / n_decode)
+    return {"load_s": load, "prefill_tok_s": n_prompt / min(pp[1:]),
+            "decode_tok_s": 1 / min(tg[1:]), "version": llama_cpp.__version__}
+
+
+def bench_transformers(path: Path, n_prompt: int, n_decode: int, repeat: int,
+                       ids: list[int]) -> dict[str, float]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    x = torch.tensor([ids])
+    pp = []
+    with torch.no_grad():
+        for _ in range(repeat + 1):
+            t = time.perf_counter()
+            model(x)
+            pp.append(time.perf_counter() - t)
+        tg = []
+        for _ in range(repeat + 1):
+            t = time.perf_counter()
+            model.generate(x[:, :8], max_new_tokens=n_decode, min_new_tokens=n_decode,
+                           do_sample=False)
+            tg.append((time.perf_counter() - t) / n_decode)
+    return {"prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--transformers", action="store_true", help="also run transformers bf16")
+    ap.add_argument("--json", default=None, help="write results to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    results: dict[str, dict[str, float]] = {}
+    print(f"model {path.name}, {args.threads} threads, pp{args.prompt_tokens} / "
+          f"tg{args.decode_tokens}", file=sys.stderr)
+    results["localllm"] = bench_localllm(path, args.dtype, args.prompt_tokens,
+                                         args.decode_tokens, args.repeat)
+    ids = results["localllm"].pop("ids")  # type: ignore[assignment]
+    try:
+        results["llama.cpp"] = bench_llama_cpp(path, args.threads, args.prompt_tokens,
+                                               args.decode_tokens, args.repeat, ids)
+    except ImportError:
+        print("llama-cpp-python is not installed: skipping llama.cpp", file=sys.stderr)
+    if args.transformers:
+        results["transformers-bf16"] = bench_transformers(path, args.prompt_tokens,
+                                                          args.decode_tokens, args.repeat, ids)
+    ours = results["localllm"]
+    print(f"{'system':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'pp ratio':>10}"
+          f"{'tg ratio':>10}")
+    for name, r in results.items():
+        print(f"{name:<20}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.1f}"
+              f"{ours['prefill_tok_s'] / r['prefill_tok_s']:>10.2f}"
+              f"{ours['decode_tok_s'] / r['decode_tok_s']:>10.2f}")
+    print(f"localllm: load {ours['load_s']:.2f} s, peak RSS {ours['peak_rss_mib']:.0f} MiB "
+          f"({args.dtype})")
+    if args.json:
+        meta = {"machine": platform.processor() or platform.machine(),
+                "cpus": torch.get_num_threads(), "torch": torch.__version__,
+                "python": platform.python_version(), "model": path.name}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
