@@ -80,28 +80,39 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
             )
 
-        def get(key: str, default: Any = None, required: bool = False) -> Any:
+        def get(key: str, default: Any = None, required: bool = False,
+                kind: type = int) -> Any:
             full = f"{arch}.{key}"
-            if full in meta:
-                return meta[full]
-            if required:
-                raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
-            return default
+            if full not in meta:
+                if required:
+                    raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
+                return default
+            value = meta[full]
+            if kind is str:
+                return value
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or (kind is int and int(value) != value):
+                raise ModelLoadError(f"GGUF key {full!r} has {value!r}, expected "
+                                     f"{'an integer' if kind is int else 'a number'}")
+            return kind(value)
 
-        hidden = int(get("embedding_length", required=True))
-        n_heads = int(get("attention.head_count", required=True))
-        n_kv = int(get("attention.head_count_kv", n_heads))
-        head_dim = int(get("attention.key_length", hidden // n_heads))
-        vocab = get("vocab_size")
+        hidden = get("embedding_length", required=True)
+        n_heads = get("attention.head_count", required=True)
+        if n_heads <= 0 or hidden <= 0:
+            raise ModelLoadError(f"GGUF metadata gives {n_heads} attention heads and hidden "
+                                 f"size {hidden}; both must be positive")
+        n_kv = get("attention.head_count_kv", n_heads)
+        head_dim = get("attention.key_length", hidden // n_heads)
+        vocab = get("vocab_size", None)
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
             vocab = len(tokens) if isinstance(tokens, list) else n_vocab_fallback
         scaling = RopeScaling()
-        kind = get("rope.scaling.type", "none")
+        kind = get("rope.scaling.type", "none", kind=str)
         if kind in ("linear", "yarn"):
             scaling = RopeScaling(
-                kind=kind, factor=float(get("rope.scaling.factor", 1.0)),
-                original_context=int(get("rope.scaling.original_context_length", 0)),
+                kind=kind, factor=get("rope.scaling.factor", 1.0, kind=float),
+                original_context=get("rope.scaling.original_context_length", 0),
             )
         elif kind not in ("none", None):
             raise ModelLoadError(f"unsupported RoPE scaling type {kind!r}")
@@ -110,15 +121,15 @@ class ModelConfig:
             arch=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", required=True)),
-            num_layers=int(get("block_count", required=True)),
+            intermediate_size=get("feed_forward_length", required=True),
+            num_layers=get("block_count", required=True),
             num_heads=n_heads,
             num_kv_heads=n_kv,
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_dim=int(get("rope.dimension_count", head_dim)),
-            context_length=int(get("context_length", 2048)),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
+            rope_theta=get("rope.freq_base", 10000.0, kind=float),
+            rope_dim=get("rope.dimension_count", head_dim),
+            context_length=get("context_length", 2048),
             rope_neox=arch in ("qwen2", "qwen3"),
             tie_word_embeddings=not has_output,
             attn_bias=arch == "qwen2",

@@ -55,6 +55,34 @@ def stderr_progress(label: str) -> ProgressFn:
     return report
 
 
+def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausalLM],
+                        dtype: torch.dtype) -> None:
+    """Compare the config with the file's tensors before allocating anything real."""
+    src = str(gf.path)
+    blocks = {int(n.split(".")[1]) for n in gf.tensors if n.startswith("blk.")
+              and n.split(".")[1].isdigit()}
+    if (max(blocks) + 1 if blocks else 0) != cfg.num_layers:
+        raise ModelLoadError(f"{src}: metadata says {cfg.num_layers} layers but the file has "
+                             f"tensors for {len(blocks)}")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in
+                  cls(cfg, dtype).named_parameters(remove_duplicate=False)}
+    filled: set[str] = set()
+    for info in gf:
+        name = module_name(info.name)
+        if name is None or name not in shapes:
+            continue
+        if info.shape != shapes[name]:
+            raise ModelLoadError(f"{src}: tensor {info.name!r} has shape {info.shape}, the "
+                                 f"metadata implies {shapes[name]}")
+        filled.add(name)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(shapes) - filled - tied)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{src}: missing tensors for {', '.join(missing[:3])}{more}")
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
               progress: ProgressFn | None = None) -> LoadedModel:
     gf = GGUFFile(path)
@@ -62,36 +90,27 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
     try:
         cfg = ModelConfig.from_gguf_metadata(gf.metadata,
                                              has_output="output.weight" in gf.tensors)
-        tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=src)
     except ModelLoadError as e:
         raise ModelLoadError(f"{src}: {e}") from None
-    model = model_class(cfg.arch)(cfg, dtype)
+    tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=src)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but the "
+                             f"embedding only {cfg.vocab_size}")
+    cls = model_class(cfg.arch)
+    _check_against_file(gf, cfg, cls, dtype)
+    try:
+        model = cls(cfg, dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise ModelLoadError(f"{src}: cannot allocate the model ({e})") from None
     params = dict(model.named_parameters(remove_duplicate=False))
-    filled: set[str] = set()
     infos = list(gf)
     for i, info in enumerate(infos):
         name = module_name(info.name)
         if name == "rope.freq_factors":
             model.rope.set_freq_factors(dequantize(info, src).flatten(), cfg)
         elif name is not None and name in params:
-            p = params[name]
-            w = dequantize(info, src)
-            if tuple(w.shape) != tuple(p.shape):
-                raise ModelLoadError(
-                    f"{src}: tensor {info.name!r} has shape {tuple(w.shape)}, the config "
-                    f"expects {tuple(p.shape)}"
-                )
-            p.data.copy_(w)
-            filled.add(name)
+            params[name].data.copy_(dequantize(info, src))
         if progress is not None:
             progress(i + 1, len(infos))
-    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = sorted(set(params) - filled - tied)
-    if missing:
-        raise ModelLoadError(f"{src}: missing tensors for {', '.join(missing[:3])}"
-                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelLoadError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but the "
-                             f"embedding only {cfg.vocab_size}")
     model.eval()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

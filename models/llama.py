@@ -74,8 +74,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # _weight skips the random init: the loader fills every parameter
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), _freeze=True)
         self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, dtype)
                                     for _ in range(cfg.num_layers))

@@ -11,7 +11,7 @@ import torch
 
 from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
 from localllm.engine.block_manager import BlockManager
-from localllm.engine.metrics import EngineStats
+from localllm.engine.metrics import EngineSnapshot, EngineStats, engine_snapshot
 from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from localllm.engine.request import FinishReason, Request, RequestStatus
 from localllm.engine.sampler import Sampler
@@ -188,6 +188,10 @@ class LLMEngine:
             del self._requests[req.request_id]
         reason = req.finish_reason.value if req.finish_reason else None
         return RequestOutput(req.request_id, text, new, req.is_finished, reason, req.error)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Metrics of this moment; call on the stepping thread (AsyncLLMEngine.stats elsewhere)."""
+        return engine_snapshot(self)
 
     @property
     def num_running(self) -> int:

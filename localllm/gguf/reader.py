@@ -123,7 +123,8 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: cannot be read ({e.strerror})") from None
         try:
             self._parse()
-        except (_Corrupt, struct.error, ValueError, OverflowError, MemoryError) as e:
+        except (_Corrupt, struct.error, ValueError, TypeError, OverflowError,
+                MemoryError) as e:
             raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({e}); "
                                  "download or copy it again") from None
 
@@ -149,8 +150,9 @@ class GGUFFile:
                 raise _Corrupt(f"tensor {name!r} claims {n_dims} dimensions")
             dims = tuple(cur.take("<Q") for _ in range(n_dims))
             raw.append((name, dims, cur.take("<I"), cur.take("<Q")))
-        align = int(self.metadata.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
+        align = self.metadata.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or (
+                align & (align - 1)):
             raise _Corrupt(f"general.alignment {align} is not a power of two")
         data_start = -(-cur.pos // align) * align
         size = len(self._map)

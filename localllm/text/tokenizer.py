@@ -80,7 +80,9 @@ class Tokenizer:
         tokens = [str(t) if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
         types = meta.get("tokenizer.ggml.token_type")
         if isinstance(types, list) and len(types) >= n:
-            attrs = [V.GGUF_TOKEN_TYPE.get(int(t), V.UNDEFINED) for t in types[:n]]
+            if not all(isinstance(t, int) for t in types[:n]):
+                raise ModelLoadError(f"{where}: tokenizer.ggml.token_type holds non-integers")
+            attrs = [V.GGUF_TOKEN_TYPE.get(t, V.UNDEFINED) for t in types[:n]]
         else:
             attrs = [V.NORMAL] * n
         spm = model == "llama"
@@ -118,6 +120,8 @@ class Tokenizer:
             scores = meta.get("tokenizer.ggml.scores")
             if not isinstance(scores, list) or len(scores) < n:
                 scores = [0.0] * n
+            elif not all(isinstance(x, (int, float)) for x in scores[:n]):
+                raise ModelLoadError(f"{where}: tokenizer.ggml.scores holds non-numbers")
             return cls(tokens, attrs, kind="spm", pieces="spm", scores=scores, **common)
         assert pre is not None
         hf = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], pre)
