@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_ref import open_llama
 
 from localllm import LLM, SamplingParams
 from localllm.engine.model_runner import prompt_logits
@@ -67,16 +68,16 @@ def test_greedy_text_matches_transformers(ours_fp32: LLM, hf_model) -> None:
     for prompt, out in zip(PROMPTS, outs):
         ids = ours_fp32.encode(prompt)
         with torch.no_grad():
+            # plain greedy for 32 tokens: no EOS stop, no EOS suppression
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                    min_new_tokens=32)[0, len(ids):].tolist()
+                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert out.token_ids == ref, f"prompt {prompt!r}"
 
 
 def test_llama_cpp_agreement_is_reported(ours_fp32: LLM, smollm_path: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     ids = ours_fp32.encode(TEXT)
-    ref = llama_cpp.Llama(model_path=str(smollm_path), n_ctx=512, logits_all=True,
-                          n_threads=2, verbose=False)
+    ref = open_llama(smollm_path, logits_all=True)
     ref.eval(ids)
     theirs = torch.tensor(ref.scores[: len(ids)])
     ours = prompt_logits(ours_fp32.loaded.model, ids)
@@ -86,9 +87,9 @@ def test_llama_cpp_agreement_is_reported(ours_fp32: LLM, smollm_path: Path) -> N
 
 
 def test_stories_greedy_matches_llama_cpp(stories_path: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     ours = LLM(stories_path, dtype="float32")
-    ref = llama_cpp.Llama(model_path=str(stories_path), n_ctx=512, n_threads=2, verbose=False)
+    ref = open_llama(stories_path, logits_all=True)
     for prompt in ["Once upon a time", "The little dog", "Tom and Lily went to the park"]:
         ids = ours.encode(prompt)
         assert ids == ref.tokenize(prompt.encode(), add_bos=True, special=False)
