@@ -52,7 +52,24 @@ def qtype_name(qtype: int) -> str:
 
 
 def dequantize(info: TensorInfo, source: str = "") -> torch.Tensor:
-    """Dequantize one tensor to fp32, shaped as PyTorch expects ([out, in] for matrices)."""
+    """Dequantize one tensor to fp32, shaped as PyTorch expects ([out, in] for matrices).
+
+    Types with a runtime format go through `localllm.quant.repack` (exact, vectorized); the
+    rest through `gguf.quants.dequantize`.
+    """
+    from localllm.quant.repack import repack
+
+    try:
+        packed = repack(info)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: tensor {info.name!r} cannot be decoded ({e})") from None
+    if packed is not None:
+        w = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
+        return w.float().reshape(info.shape)
+    return _dequantize_gguf(info, source)
+
+
+def _dequantize_gguf(info: TensorInfo, source: str) -> torch.Tensor:
     import gguf
     import gguf.quants
 
