@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llama_ref import open_llama  # noqa: E402
+from llama_ref import in_child, open_llama  # noqa: E402
 
 from localllm import LLM, SamplingParams  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
@@ -40,6 +40,15 @@ def prompt_ids(llm: LLM, n: int) -> list[int]:
 
 
 def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from the
+    parent of a spawned child)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -51,9 +60,12 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
     load = time.perf_counter() - t0
     ids = prompt_ids(llm, n_prompt)
     pp = []
+    vocab = llm.config.vocab_size
     for i in range(repeat + 1):
+        # a different first token each time, so the prefix cache cannot serve the prompt
+        fresh = [(ids[0] + 1 + i) % vocab] + ids[1:]
         t = time.perf_counter()
-        llm.generate([ids[:-1] + [ids[-1] ^ i]], SamplingParams(max_tokens=1, temperature=0))
+        llm.generate([fresh], SamplingParams(max_tokens=1, temperature=0))
         pp.append(time.perf_counter() - t)
     tg = []
     short = ids[:8]
@@ -68,7 +80,6 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
 
 def bench_llama_cpp(path: Path, threads: int, n_prompt: int, n_decode: int,
                     repeat: int, ids: list[int]) -> dict[str, float]:
-    import llama_cpp
     import numpy as np
 
     t0 = time.perf_counter()
@@ -92,13 +103,14 @@ def bench_llama_cpp(path: Path, threads: int, n_prompt: int, n_decode: int,
             dec.eval([tok])
         tg.append((time.perf_counter() - t) / n_decode)
     return {"load_s": load, "prefill_tok_s": n_prompt / min(pp[1:]),
-            "decode_tok_s": 1 / min(tg[1:]), "version": llama_cpp.__version__}
+            "decode_tok_s": 1 / min(tg[1:]), "peak_rss_mib": peak_rss_mib()}
 
 
-def bench_transformers(path: Path, n_prompt: int, n_decode: int, repeat: int,
+def bench_transformers(path: Path, threads: int, n_prompt: int, n_decode: int, repeat: int,
                        ids: list[int]) -> dict[str, float]:
     import transformers
 
+    torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
     x = torch.tensor([ids])
@@ -114,7 +126,8 @@ def bench_transformers(path: Path, n_prompt: int, n_decode: int, repeat: int,
             model.generate(x[:, :8], max_new_tokens=n_decode, min_new_tokens=n_decode,
                            do_sample=False)
             tg.append((time.perf_counter() - t) / n_decode)
-    return {"prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:])}
+    return {"prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:]),
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def main() -> None:
@@ -137,20 +150,24 @@ def main() -> None:
                                          args.decode_tokens, args.repeat)
     ids = results["localllm"].pop("ids")  # type: ignore[assignment]
     try:
-        results["llama.cpp"] = bench_llama_cpp(path, args.threads, args.prompt_tokens,
-                                               args.decode_tokens, args.repeat, ids)
+        # each reference runs in its own process: llama.cpp's and torch's OpenMP thread pools
+        # slow each other down many times over in one process, and peak memory stays apart
+        results["llama.cpp"] = in_child(bench_llama_cpp, path, args.threads,
+                                        args.prompt_tokens, args.decode_tokens, args.repeat, ids)
     except ImportError:
         print("llama-cpp-python is not installed: skipping llama.cpp", file=sys.stderr)
     if args.transformers:
-        results["transformers-bf16"] = bench_transformers(path, args.prompt_tokens,
-                                                          args.decode_tokens, args.repeat, ids)
+        results["transformers-bf16"] = in_child(bench_transformers, path, args.threads,
+                                                args.prompt_tokens, args.decode_tokens,
+                                                args.repeat, ids)
     ours = results["localllm"]
-    print(f"{'system':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'pp ratio':>10}"
-          f"{'tg ratio':>10}")
+    print(f"{'system':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>10}"
+          f"{'ours/pp':>9}{'ours/tg':>9}")
     for name, r in results.items():
         print(f"{name:<20}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.1f}"
-              f"{ours['prefill_tok_s'] / r['prefill_tok_s']:>10.2f}"
-              f"{ours['decode_tok_s'] / r['decode_tok_s']:>10.2f}")
+              f"{r['peak_rss_mib']:>10.0f}"
+              f"{ours['prefill_tok_s'] / r['prefill_tok_s']:>9.2f}"
+              f"{ours['decode_tok_s'] / r['decode_tok_s']:>9.2f}")
     print(f"localllm: load {ours['load_s']:.2f} s, peak RSS {ours['peak_rss_mib']:.0f} MiB "
           f"({args.dtype})")
     if args.json:

@@ -30,3 +30,46 @@ def open_llama(path: Path | str, n_ctx: int = 512, n_threads: int = 2,
                                logits_all=logits_all, vocab_only=vocab_only, verbose=False)
     finally:
         llama_mod.llama_cpp.llama_model_default_params = original
+
+
+# llama.cpp and torch each bring their own OpenMP runtime; in one process their worker threads
+# spin against each other after every parallel region and both slow down many times over. Work
+# that runs llama.cpp's compute therefore runs in a child process.
+
+def _logits(path: str, ids: list[int]) -> Any:
+    import numpy as np
+
+    llm = open_llama(path, n_ctx=max(512, len(ids)), logits_all=True)
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)])
+
+
+def _greedy(path: str, ids: list[int], n: int) -> list[int]:
+    import numpy as np
+
+    llm = open_llama(path, n_ctx=max(512, len(ids) + n), logits_all=True)
+    llm.eval(ids)
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def in_child(fn: Any, *args: Any) -> Any:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def llama_logits(path: Path | str, ids: list[int]) -> Any:
+    """llama.cpp's logits of every position, [len(ids), vocab] float32 (child process)."""
+    return in_child(_logits, str(path), list(ids))
+
+
+def llama_greedy(path: Path | str, ids: list[int], n: int) -> list[int]:
+    """n greedy token ids after the prompt `ids`, by llama.cpp (child process)."""
+    return in_child(_greedy, str(path), list(ids), n)

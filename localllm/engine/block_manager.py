@@ -80,9 +80,12 @@ class BlockManager:
             ids.append(bid)
             hashes.append(h)
             parent = h
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(ids) * bs
         return ids, hashes
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count an admitted request's lookup once, however often it was retried."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
 
     def can_allocate(self, req: Request, num_new_tokens: int,
                      cached: Sequence[int] = ()) -> bool:

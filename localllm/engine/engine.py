@@ -71,7 +71,9 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_size = cache.block_size
         self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint)
-        self.scheduler = Scheduler(sched, self.bm, self.max_model_len)
+        # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
+        max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
+        self.scheduler = Scheduler(sched, self.bm, max_seq_len)
         self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
         self.sampler = Sampler()
         self.stats = EngineStats()

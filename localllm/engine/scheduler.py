@@ -102,6 +102,7 @@ class Scheduler:
             if not self.bm.allocate(req, n, cached, hashes):
                 break
             self.waiting.popleft()
+            self.bm.record_prefix_lookup(req.num_tokens, hit)
             req.num_computed_tokens = hit
             req.num_cached_tokens = hit
             req.status = RequestStatus.RUNNING

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_ref import open_llama
+from llama_ref import llama_greedy, llama_logits
 
 from localllm import LLM, SamplingParams
 from localllm.engine.model_runner import prompt_logits
@@ -77,9 +77,7 @@ def test_greedy_text_matches_transformers(ours_fp32: LLM, hf_model) -> None:
 def test_llama_cpp_agreement_is_reported(ours_fp32: LLM, smollm_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     ids = ours_fp32.encode(TEXT)
-    ref = open_llama(smollm_path, logits_all=True)
-    ref.eval(ids)
-    theirs = torch.tensor(ref.scores[: len(ids)])
+    theirs = torch.from_numpy(llama_logits(smollm_path, ids))
     ours = prompt_logits(ours_fp32.loaded.model, ids)
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     print(f"\nllama.cpp vs localllm fp32 top-1 agreement: {agree:.2%} (information only)")
@@ -89,17 +87,9 @@ def test_llama_cpp_agreement_is_reported(ours_fp32: LLM, smollm_path: Path) -> N
 def test_stories_greedy_matches_llama_cpp(stories_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     ours = LLM(stories_path, dtype="float32")
-    ref = open_llama(stories_path, logits_all=True)
     for prompt in ["Once upon a time", "The little dog", "Tom and Lily went to the park"]:
         ids = ours.encode(prompt)
-        assert ids == ref.tokenize(prompt.encode(), add_bos=True, special=False)
-        ref.reset()
-        ref.eval(ids)
-        expected: list[int] = []
-        for _ in range(48):
-            tok = int(torch.tensor(ref.scores[ref.n_tokens - 1]).argmax())
-            expected.append(tok)
-            ref.eval([tok])
+        expected = llama_greedy(stories_path, ids, 48)
         out = ours.generate([ids], SamplingParams(max_tokens=48, temperature=0,
                                                   ignore_eos=True))[0]
         assert out.token_ids == expected, f"prompt {prompt!r}"

@@ -1,0 +1,218 @@
+"""Engine benchmark: continuous batching and the prefix cache, through AsyncLLMEngine.
+
+    python benchmarks/bench_engine.py [--model PATH] [--dtype bfloat16] [--threads 2]
+                                      [--sessions 8] [--decode-tokens 64] [--prefix-tokens 1000]
+                                      [--repeat 3] [--profile] [--json OUT]
+
+Decode: aggregate tokens/s of --sessions concurrent greedy streams vs one stream, counting the
+tokens sampled after every stream has its first token (so prefill is left out), in one run.
+Target: >= 4x. Prefix: time to first token of a prompt whose ~--prefix-tokens prefix is in the
+KV cache (a follow-up turn: same prefix, new last line) vs the same prompt cold. Target: >= 10x.
+--profile: time one batched decode step split into attention, `ModelRunner._prepare`, and the
+rest of the model, at 1 and at --sessions sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from localllm import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from localllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from localllm.engine.engine import RequestOutput  # noqa: E402
+from localllm.engine.metrics import EngineSnapshot, percentile  # noqa: E402
+from localllm.engine.request import Request  # noqa: E402
+from localllm.model_path import resolve_model  # noqa: E402
+
+TEXT = ("The committee met on Tuesday to discuss the budget for the new library. Members argued "
+        "about the number of reading rooms, the size of the children's section, and whether the "
+        "old card catalogue should be kept as a historical exhibit. ")
+TOPICS = ["the ocean", "a mountain village", "the history of clocks", "a robot who paints",
+          "winter in Norway", "the first airplane", "a lost cat", "coffee farming"]
+
+
+async def stream_all(engine: AsyncLLMEngine, prompts: list[list[int]], params: SamplingParams,
+                     samples: list[EngineSnapshot]) -> list[list[RequestOutput]]:
+    async def one(ids: list[int]) -> list[RequestOutput]:
+        out: list[RequestOutput] = []
+        async for o in engine.generate(ids, params):
+            out.append(o)
+            samples.append(engine.stats())
+        return out
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def decode_rate(engine: AsyncLLMEngine, prompts: list[list[int]], n: int
+                ) -> tuple[float, list[float], list[EngineSnapshot]]:
+    """Aggregate decode tokens/s after the last first token; also every stream's ITLs."""
+    llm_engine = engine.engine
+    seen: list[Request] = []
+    add = llm_engine.add_request
+
+    def spy(*a: Any) -> Request:
+        seen.append(add(*a))
+        return seen[-1]
+
+    llm_engine.add_request = spy  # type: ignore[method-assign]
+    samples: list[EngineSnapshot] = []
+    try:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        asyncio.run(stream_all(engine, prompts, params, samples))
+    finally:
+        del llm_engine.add_request
+    t0 = max(r.times.token_times[0] for r in seen)
+    t1 = max(r.times.token_times[-1] for r in seen)
+    tokens = sum(sum(1 for t in r.times.token_times if t > t0) for r in seen)
+    itl = [x for r in seen for x in r.times.itl]
+    return tokens / (t1 - t0), itl, samples
+
+
+def ttft(engine: AsyncLLMEngine, ids: list[int]) -> float:
+    async def run() -> float:
+        t = time.perf_counter()
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0)):
+            return time.perf_counter() - t
+        raise AssertionError("no output")
+    return asyncio.run(run())
+
+
+def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+    def wrapper(*a: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            acc.append(time.perf_counter() - t)
+    return wrapper
+
+
+def profile_step(llm: LLM, prompts: list[list[int]]) -> dict[str, float]:
+    """ms per decode step at batch 1 and batch len(prompts): attention / prepare / the rest."""
+    eng = llm.engine
+    runner = eng.runner
+    res: dict[str, float] = {}
+    for n in (1, len(prompts)):
+        attn: list[float] = []
+        prep: list[float] = []
+        fwd = runner.backend.forward
+        prepare = runner._prepare
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        for p in prompts[:n]:
+            eng.add_request(p, params)
+        for _ in range(8):  # prefill and warm-up
+            eng.step()
+        runner.backend.forward = timed(fwd, attn)  # type: ignore[method-assign]
+        runner._prepare = timed(prepare, prep)  # type: ignore[method-assign]
+        steps = 16
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        total = (time.perf_counter() - t) / steps
+        del runner.backend.forward, runner._prepare
+        while eng.has_unfinished():
+            eng.step()
+        res[f"step_ms@{n}"] = 1e3 * total
+        res[f"attention_ms@{n}"] = 1e3 * sum(attn) / steps
+        res[f"prepare_ms@{n}"] = 1e3 * sum(prep) / steps
+        res[f"rest_ms@{n}"] = res[f"step_ms@{n}"] - res[f"attention_ms@{n}"] - res[
+            f"prepare_ms@{n}"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    llm = LLM(path, dtype=args.dtype, cache=CacheConfig(memory_bytes=256 << 20),
+              scheduler=SchedulerConfig(max_num_seqs=max(16, args.sessions),
+                                        max_num_batched_tokens=512))
+    engine = AsyncLLMEngine(llm.engine)
+    prompts = [llm.encode_chat([{"role": "user", "content": f"Write a short story about {t}."}])
+               for t in (TOPICS * (args.sessions // len(TOPICS) + 1))[:args.sessions]]
+    ttft(engine, prompts[0])  # warm-up
+
+    one_rates, many_rates, itl_one, itl_many = [], [], [], []
+    kv_peak = 0.0
+    for _ in range(args.repeat):
+        r, itl, _ = decode_rate(engine, prompts[:1], args.decode_tokens)
+        one_rates.append(r)
+        itl_one += itl
+        r, itl, samples = decode_rate(engine, prompts, args.decode_tokens)
+        many_rates.append(r)
+        itl_many += itl
+        kv_peak = max([kv_peak] + [s.kv_utilization for s in samples])
+    one, many = max(one_rates), max(many_rates)
+
+    base = llm.encode(TEXT * (args.prefix_tokens // 40 + 2))[:args.prefix_tokens]
+    cold_t, warm_t, cached = [], [], []
+    for i in range(args.repeat):
+        prefix = base[:1] + [base[1] + i + 1] + base[2:]  # a fresh prefix each round
+        before = llm.engine.bm.prefix_hits
+        cold_t.append(ttft(engine, prefix + llm.encode("Question: who chaired it?")[1:]))
+        warm_t.append(ttft(engine, prefix + llm.encode("Question: what did it decide?")[1:]))
+        cached.append(llm.engine.bm.prefix_hits - before)
+    cold, warm = statistics.median(cold_t), statistics.median(warm_t)
+    snap = engine.stats()
+    engine.shutdown()
+
+    rows: list[tuple[str, str, str]] = [
+        ("decode, 1 session", f"{one:.1f} tok/s",
+         f"ITL p50 {1e3 * percentile(itl_one, 50):.1f} ms"),
+        (f"decode, {args.sessions} sessions (aggregate)", f"{many:.1f} tok/s",
+         f"ITL p50 {1e3 * percentile(itl_many, 50):.1f} ms"),
+        (f"decode ratio {args.sessions}:1", f"{many / one:.2f}x", "target >= 4x"),
+        (f"TTFT, {len(base)}-token prompt cold", f"{1e3 * cold:.1f} ms", ""),
+        ("TTFT, same prefix cached", f"{1e3 * warm:.1f} ms",
+         f"{statistics.median(cached):.0f} tokens reused"),
+        ("TTFT ratio cold:cached", f"{cold / warm:.1f}x", "target >= 10x"),
+        ("KV utilization, peak while decoding", f"{100 * kv_peak:.1f} %",
+         f"{snap.num_blocks} blocks"),
+        ("prefix-cache hit rate (whole run)", f"{100 * snap.prefix_hit_rate:.1f} %",
+         f"{snap.prefix_hits}/{snap.prefix_queries} prompt tokens"),
+        ("tokens per step (mean)", f"{snap.mean_tokens_per_step:.2f}",
+         f"{snap.steps} steps, {snap.preemptions} preemptions"),
+    ]
+    prof = profile_step(llm, prompts) if args.profile else {}
+    for k, v in prof.items():
+        rows.append((f"profile {k}", f"{v:.2f}", ""))
+    w = max(len(r[0]) for r in rows)
+    print(f"\nlocalllm engine, {path.name}, {args.dtype}, {args.threads} threads, "
+          f"{platform.machine()} {platform.processor() or ''}".rstrip())
+    for name, value, note in rows:
+        print(f"  {name:<{w}}  {value:>14}  {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": path.name, "dtype": args.dtype, "threads": args.threads,
+            "sessions": args.sessions, "decode_tokens": args.decode_tokens,
+            "decode_1_tok_s": one, "decode_n_tok_s": many, "decode_ratio": many / one,
+            "ttft_cold_s": cold, "ttft_cached_s": warm, "ttft_ratio": cold / warm,
+            "kv_peak_utilization": kv_peak, "prefix_hit_rate": snap.prefix_hit_rate,
+            "mean_tokens_per_step": snap.mean_tokens_per_step, "profile": prof,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
