@@ -54,36 +54,72 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 
 
 class TorchPagedAttention:
-    """CPU (and fallback) backend: gather each sequence's blocks, then SDPA with GQA."""
+    """CPU (and fallback) backend in plain PyTorch.
+
+    Single-token queries (decodes) of a batch are attended together: one padded gather of
+    their blocks and one SDPA call with a length mask. Longer queries (prefill chunks) are
+    attended one sequence at a time with a causal mask offset by the cached context.
+    """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim]
         store_kv(cache, k, v, meta.slot_mapping)
-        n_heads, hd = q.shape[1], q.shape[2]
-        n_kv = k.shape[1]
         out = torch.empty_like(q)
-        bs = meta.block_size
-        start = 0
+        starts = [0]
+        for qlen in meta.query_lens:
+            starts.append(starts[-1] + qlen)
+        decodes = [i for i, qlen in enumerate(meta.query_lens) if qlen == 1]
+        if len(decodes) > 1:
+            self._decode_batch(q, out, cache, meta, scale, decodes, starts)
+            done = set(decodes)
+        else:
+            done = set()
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            nb = (ctx + bs - 1) // bs
-            blocks = meta.block_tables[i, :nb]
-            kc = cache.k[blocks].view(-1, n_kv, hd)[:ctx]  # [ctx, n_kv_heads, head_dim]
-            vc = cache.v[blocks].view(-1, n_kv, hd)[:ctx]
-            qs = q[start:start + qlen].transpose(0, 1)  # [n_heads, qlen, head_dim]
-            kt = kc.transpose(0, 1).to(q.dtype)  # [n_kv_heads, ctx, head_dim]
-            vt = vc.transpose(0, 1).to(q.dtype)
-            if qlen == 1:
-                mask = None
-                causal = False
-            elif qlen == ctx:
-                mask, causal = None, True
-            else:
-                mask, causal = causal_mask(qlen, ctx, q.device), False
-            o = F.scaled_dot_product_attention(
-                qs, kt, vt, attn_mask=mask, is_causal=causal, scale=scale,
-                enable_gqa=n_heads != n_kv,
-            )  # [n_heads, qlen, head_dim]
-            out[start:start + qlen] = o.transpose(0, 1)
-            start += qlen
+            if i not in done:
+                s, e = starts[i], starts[i + 1]
+                out[s:e] = self._one(q[s:e], cache, meta.block_tables[i], qlen, ctx,
+                                     meta.block_size, scale)
         return out
+
+    @staticmethod
+    def _one(q: torch.Tensor, cache: KVCache, table: torch.Tensor, qlen: int, ctx: int,
+             bs: int, scale: float) -> torch.Tensor:
+        # q: [qlen, n_heads, head_dim] -> [qlen, n_heads, head_dim]
+        n_heads, n_kv, hd = q.shape[1], cache.k.shape[2], cache.k.shape[3]
+        blocks = table[:(ctx + bs - 1) // bs]
+        kt = cache.k[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
+        vt = cache.v[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
+        # kt, vt: [n_kv_heads, ctx, head_dim]
+        mask = None
+        if 1 < qlen < ctx:
+            mask = causal_mask(qlen, ctx, q.device)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kt, vt, attn_mask=mask, is_causal=qlen == ctx and qlen > 1,
+            scale=scale, enable_gqa=n_heads != n_kv,
+        )  # [n_heads, qlen, head_dim]
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode_batch(q: torch.Tensor, out: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata, scale: float, seqs: list[int],
+                      starts: list[int]) -> None:
+        n_heads, n_kv, hd = q.shape[1], cache.k.shape[2], cache.k.shape[3]
+        bs = meta.block_size
+        ctxs = [meta.context_lens[i] for i in seqs]
+        width = (max(ctxs) + bs - 1) // bs
+        idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
+        tables = meta.block_tables[idx, :width]  # [B, width]
+        b = len(seqs)
+        kt = cache.k[tables].view(b, width * bs, n_kv, hd).transpose(1, 2).to(q.dtype)
+        vt = cache.v[tables].view(b, width * bs, n_kv, hd).transpose(1, 2).to(q.dtype)
+        # kt, vt: [B, n_kv_heads, width * block_size, head_dim]
+        lens = torch.tensor(ctxs, device=q.device)
+        mask = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
+        rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
+        qb = q[rows].unsqueeze(2)  # [B, n_heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(
+            qb, kt, vt, attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=n_heads != n_kv,
+        )  # [B, n_heads, 1, head_dim]
+        out[rows] = o.squeeze(2)
