@@ -8,12 +8,15 @@ Without a terminal (piped input), one line is one user message.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Callable
 
 from localllm.config import SamplingParams
-from localllm.errors import RequestError
+from localllm.engine.async_engine import AsyncLLMEngine
+from localllm.errors import LocalLLMError
 from localllm.llm import LLM, Message
 
 HELP = ("/reset  forget the conversation\n/system TEXT  set the system prompt (and reset)\n"
@@ -55,7 +58,31 @@ def _line_reader(tty: bool) -> Callable[[], str]:
     return lambda: session.prompt(">>> ")
 
 
-def reply(llm: LLM, conv: Conversation, params: SamplingParams) -> str:
+class _Reply:
+    """Text and timing of one streamed reply."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+
+async def _stream_reply(engine: AsyncLLMEngine, ids: list[int], params: SamplingParams,
+                        rep: _Reply) -> None:
+    async with contextlib.aclosing(engine.generate(ids, params)) as stream:
+        async for out in stream:
+            if out.token_ids and rep.first is None:
+                rep.first = time.perf_counter()
+            rep.tokens += len(out.token_ids)
+            rep.text += out.text
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.error:
+                print(f"\n[error: {out.error}]", file=sys.stderr)
+
+
+def reply(llm: LLM, engine: AsyncLLMEngine, conv: Conversation, params: SamplingParams) -> str:
     """Stream one assistant reply to stdout; returns its text (partial if interrupted)."""
     ids = llm.encode_chat(conv.messages)
     limit = llm.engine.max_model_len - min(params.max_tokens, llm.engine.max_model_len // 2)
@@ -63,36 +90,33 @@ def reply(llm: LLM, conv: Conversation, params: SamplingParams) -> str:
     while len(ids) > limit and len(conv.messages) > first_turn + 1:
         del conv.messages[first_turn]  # forget the oldest turn to fit the context
         ids = llm.encode_chat(conv.messages)
-    text = ""
-    n = 0
-    t0 = time.perf_counter()
-    first: float | None = None
+    rep = _Reply()
     try:
-        stream = llm.stream(ids, params)
-        for out in stream:
-            if out.token_ids and first is None:
-                first = time.perf_counter()
-            n += len(out.token_ids)
-            text += out.text
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            if out.error:
-                print(f"\n[error: {out.error}]", file=sys.stderr)
-    except KeyboardInterrupt:
-        stream.close()
+        asyncio.run(_stream_reply(engine, ids, params, rep))
+    except KeyboardInterrupt:  # the stream was closed on the way out: the request is aborted
         print("\n[stopped]", file=sys.stderr)
-    except RequestError as e:
+    except LocalLLMError as e:
         print(f"[error: {e}]", file=sys.stderr)
     t1 = time.perf_counter()
     sys.stdout.write("\n")
-    if first is not None:
-        rate = (n - 1) / (t1 - first) if n > 1 and t1 > first else 0.0
-        print(f"[{n} tokens, first after {first - t0:.2f} s, {rate:.1f} tokens/s]",
+    if rep.first is not None:
+        n = rep.tokens
+        rate = (n - 1) / (t1 - rep.first) if n > 1 and t1 > rep.first else 0.0
+        print(f"[{n} tokens, first after {rep.first - rep.start:.2f} s, {rate:.1f} tokens/s]",
               file=sys.stderr)
-    return text
+    return rep.text
 
 
 def run_chat(args: argparse.Namespace, llm: LLM, params: SamplingParams) -> int:
+    engine = AsyncLLMEngine(llm.engine)
+    try:
+        return _repl(args, llm, engine, params)
+    finally:
+        engine.shutdown()
+
+
+def _repl(args: argparse.Namespace, llm: LLM, engine: AsyncLLMEngine,
+          params: SamplingParams) -> int:
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     read = _line_reader(tty)
     conv = Conversation(args.system)
@@ -124,5 +148,5 @@ def run_chat(args: argparse.Namespace, llm: LLM, params: SamplingParams) -> int:
             print("[system prompt set; conversation cleared]", file=sys.stderr)
             continue
         conv.messages.append({"role": "user", "content": line})
-        text = reply(llm, conv, params)
+        text = reply(llm, engine, conv, params)
         conv.messages.append({"role": "assistant", "content": text})

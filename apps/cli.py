@@ -75,8 +75,10 @@ def load_llm(args: argparse.Namespace):  # -> LLM
 
     cache = CacheConfig(memory_bytes=int(args.kv_cache_memory * 2**30))
     sched = SchedulerConfig(max_model_len=args.max_model_len)
-    return LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
-               num_threads=args.threads, progress=stderr_progress("loading"))
+    llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
+              num_threads=args.threads, progress=stderr_progress("loading"))
+    print(f"[{llm.path.name}: {llm.engine.kv_summary()}]", file=sys.stderr)
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -81,8 +81,13 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._aborts: list[str] = []
         self._lock = threading.Lock()
-        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB", num_blocks,
-                 cache.block_size, num_blocks * cache.block_size, num_blocks * per_block / 2**20)
+        self._kv_bytes = num_blocks * per_block
+        log.info("%s", self.kv_summary())
+
+    def kv_summary(self) -> str:
+        return (f"KV cache {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens, {self._kv_bytes / 2**20:.0f} MiB; "
+                f"context {self.max_model_len}")
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
