@@ -112,10 +112,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from localllm.gguf.reader import GGUFFile
-    from localllm.model_path import resolve_model
+    from localllm.model_path import find_model
     from localllm.text.tokenizer import Tokenizer
 
-    gf = GGUFFile(resolve_model(args.model))
+    gf = GGUFFile(find_model(args.model))
     tok = Tokenizer.from_gguf_metadata(gf.metadata, source=str(gf.path))
     ids = tok.encode(args.text, add_special=True, parse_special=args.special)
     print(" ".join(map(str, ids)))

@@ -202,4 +202,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # a temperature this small only overflows the division; it means greedy
+        return self.temperature < 1e-5 or self.top_k == 1

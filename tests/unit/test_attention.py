@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from localllm.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
@@ -19,13 +20,17 @@ def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return torch.einsum("htc,chd->thd", scores.softmax(-1), v)
 
 
-def test_mixed_batch_matches_dense_reference() -> None:
+@pytest.mark.parametrize("seqs", [
+    [(9, 1), (3, 1), (14, 1), (5, 7), (0, 10)],  # batched decodes, a chunk, a fresh prompt
+    [(12, 1), (4, 5)],  # a lone decode beside a chunk
+    [(0, 1)],  # a one-token prompt
+])
+def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]]) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 64
     cache = KVCache(torch.zeros(num_blocks, bs, kv_heads, dim),
                     torch.zeros(num_blocks, bs, kv_heads, dim))
-    # (cached tokens before this step, new tokens this step): decodes, a chunk, a fresh prompt
-    seqs = [(9, 1), (3, 1), (14, 1), (5, 7), (0, 10)]
+    # seqs: (cached tokens before this step, new tokens this step) per sequence
     perm = torch.randperm(num_blocks).tolist()
     tables, full_k, full_v = [], [], []
     for cached, new in seqs:
