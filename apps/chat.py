@@ -107,8 +107,9 @@ def reply(llm: LLM, engine: AsyncLLMEngine, conv: Conversation, params: Sampling
     return rep.text
 
 
-def run_chat(args: argparse.Namespace, llm: LLM, params: SamplingParams) -> int:
-    engine = AsyncLLMEngine(llm.engine)
+def run_chat(args: argparse.Namespace, llm: LLM, params: SamplingParams,
+             threads: int | None = None) -> int:
+    engine = AsyncLLMEngine(llm.engine, num_threads=threads)
     try:
         return _repl(args, llm, engine, params)
     finally:

@@ -68,7 +68,7 @@ def _sampling(args: argparse.Namespace):  # -> SamplingParams
     )
 
 
-def load_llm(args: argparse.Namespace):  # -> LLM
+def load_llm(args: argparse.Namespace, threads: int | None = None):  # -> LLM
     from localllm.config import CacheConfig, SchedulerConfig
     from localllm.llm import LLM
     from localllm.loader import stderr_progress
@@ -76,7 +76,7 @@ def load_llm(args: argparse.Namespace):  # -> LLM
     cache = CacheConfig(memory_bytes=int(args.kv_cache_memory * 2**30))
     sched = SchedulerConfig(max_model_len=args.max_model_len)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
-              num_threads=args.threads, progress=stderr_progress("loading"))
+              num_threads=threads or args.threads, progress=stderr_progress("loading"))
     print(f"[{llm.path.name}: {llm.engine.kv_summary()}]", file=sys.stderr)
     return llm
 
@@ -132,9 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tokenize":
             return cmd_tokenize(args)
         if args.command == "chat":
+            import torch
+
             from localllm.apps.chat import run_chat
 
-            return run_chat(args, load_llm(args), _sampling(args))
+            # the engine thread computes with all threads; this one loads with one (see
+            # AsyncLLMEngine on OpenMP teams)
+            threads = args.threads or torch.get_num_threads()
+            params = _sampling(args)
+            return run_chat(args, load_llm(args, threads=1), params, threads)
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
         return 2

@@ -144,12 +144,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # this thread loads; the engine thread computes (AsyncLLMEngine)
     path = resolve_model(args.model)
     llm = LLM(path, dtype=args.dtype, cache=CacheConfig(memory_bytes=256 << 20),
               scheduler=SchedulerConfig(max_num_seqs=max(16, args.sessions),
                                         max_num_batched_tokens=512))
-    engine = AsyncLLMEngine(llm.engine)
+    engine = AsyncLLMEngine(llm.engine, num_threads=args.threads)
     prompts = [llm.encode_chat([{"role": "user", "content": f"Write a short story about {t}."}])
                for t in (TOPICS * (args.sessions // len(TOPICS) + 1))[:args.sessions]]
     ttft(engine, prompts[0])  # warm-up

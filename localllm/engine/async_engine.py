@@ -26,6 +26,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
+import torch
+
 from localllm.config import SamplingParams
 from localllm.engine.engine import LLMEngine, RequestOutput
 from localllm.engine.metrics import EngineSnapshot, engine_snapshot
@@ -62,8 +64,18 @@ class _NewRequest(NamedTuple):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """`num_threads`: torch threads of the loop thread (default: what the caller has now).
+
+    NOTE: with libgomp, a second thread that runs parallel torch ops while the first one's
+    OpenMP team is alive runs them 2-3x slower (both teams fall back to sleeping instead of
+    spinning). Callers that step through this engine should do their own torch work with one
+    thread (`torch.set_num_threads(1)` before loading the model) and pass the wanted count
+    here; `localllm chat` does.
+    """
+
+    def __init__(self, engine: LLMEngine, num_threads: int | None = None) -> None:
         self.engine = engine
+        self.num_threads = num_threads or torch.get_num_threads()
         self._cond = threading.Condition()
         # NOTE: the four fields below are guarded by _cond.
         self._new: list[_NewRequest] = []
@@ -151,6 +163,7 @@ class AsyncLLMEngine:
         return bool(self._stopping or self._new or self._aborts or self.engine.has_unfinished())
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
         try:
             while True:
                 with self._cond:
