@@ -92,11 +92,12 @@ class TorchPagedAttention:
         vt = cache.v[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
         # kt, vt: [n_kv_heads, ctx, head_dim]
         if qlen == 1:
-            # the query heads of one KV head form the rows of one small matmul (GQA)
-            qg = q.view(n_kv, n_heads // n_kv, hd)  # [n_kv_heads, group, head_dim]
-            scores = torch.bmm(qg, kt.transpose(1, 2)).float() * scale  # [n_kv, group, ctx]
-            o = torch.bmm(scores.softmax(-1).to(q.dtype), vt)  # [n_kv, group, head_dim]
-            return o.reshape(1, n_heads, hd)
+            # the query heads of one KV head form the rows of one small matmul (GQA); fp32,
+            # since CPU bf16 bmm of these tiny shapes takes a slow path (~60 us a call)
+            qg = q.view(n_kv, n_heads // n_kv, hd).float()  # [n_kv_heads, group, head_dim]
+            scores = torch.bmm(qg, kt.float().transpose(1, 2)) * scale  # [n_kv, group, ctx]
+            o = torch.bmm(scores.softmax(-1), vt.float())  # [n_kv, group, head_dim]
+            return o.to(q.dtype).reshape(1, n_heads, hd)
         mask = None
         if qlen < ctx:
             mask = causal_mask(qlen, ctx, q.device)
