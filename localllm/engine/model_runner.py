@@ -90,20 +90,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden[idx]).cpu(), sampling
 
 
-def prompt_logits(model: LlamaForCausalLM, token_ids: list[int],
-                  block_size: int = 16) -> torch.Tensor:
+def prompt_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16,
+                  chunk: int = 0) -> torch.Tensor:
     """Teacher-forced logits of every position of one sequence: [len(token_ids), vocab] fp32.
 
     Uses a private KV pool sized for the sequence, so it never touches an engine's cache.
+    `chunk` > 0 feeds the sequence that many tokens at a time (as chunked prefill, or decode
+    with chunk=1, would), which exercises the small-batch kernels.
     """
     n = len(token_ids)
     nb = -(-n // block_size)
     caches = allocate_kv_caches(model.cfg, nb, block_size, model.dtype, torch.device("cpu"))
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.long),
-        block_tables=torch.arange(nb, dtype=torch.long).unsqueeze(0),
-        query_lens=[n], context_lens=[n], block_size=block_size,
-    )
-    hidden = model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n), caches, meta,
-                   TorchPagedAttention())
-    return model.compute_logits(hidden)
+    table = torch.arange(nb, dtype=torch.long).unsqueeze(0)
+    step = chunk if chunk > 0 else n
+    out = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(start, end, dtype=torch.long), block_tables=table,
+            query_lens=[end - start], context_lens=[end], block_size=block_size,
+        )
+        hidden = model(torch.tensor(token_ids[start:end], dtype=torch.long),
+                       torch.arange(start, end), caches, meta, TorchPagedAttention())
+        out.append(model.compute_logits(hidden))
+    return torch.cat(out)

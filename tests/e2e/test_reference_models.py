@@ -93,3 +93,12 @@ def test_stories_greedy_matches_llama_cpp(stories_path: Path) -> None:
         out = ours.generate([ids], SamplingParams(max_tokens=48, temperature=0,
                                                   ignore_eos=True))[0]
         assert out.token_ids == expected, f"prompt {prompt!r}"
+
+
+def test_chunked_teacher_forcing_equals_one_prefill(stories_path: Path) -> None:
+    llm = LLM(stories_path, dtype="float32")
+    ids = llm.encode("Once upon a time there was a little girl named Lily who loved the park.")
+    whole = prompt_logits(llm.loaded.model, ids)
+    for chunk in (1, 5):
+        torch.testing.assert_close(prompt_logits(llm.loaded.model, ids, chunk=chunk), whole,
+                                   rtol=1e-4, atol=1e-4)
