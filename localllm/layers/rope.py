@@ -64,6 +64,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._rot = torch.empty(0, dtype=torch.complex64)
 
     def set_freq_factors(self, factors: torch.Tensor, cfg: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(cfg, factors)
@@ -76,28 +77,31 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(pos, self.inv_freq.to(device))  # [positions, rope_dim/2]
             self._cos = freqs.cos() * self.mscale
             self._sin = freqs.sin() * self.mscale
+            self._rot = torch.complex(self._cos, self._sin)  # e^(i p f), scaled
         return self._cos, self._sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, n_heads, head_dim]; k: [T, n_kv_heads, head_dim]
         cos_t, sin_t = self._tables(int(positions.max()) + 1, positions.device)
+        if not self.neox:
+            rot = self._rot[positions].unsqueeze(1)  # [T, 1, rope_dim/2] complex
+            return self._rotate_pairs(q, rot), self._rotate_pairs(k, rot)
         cos = cos_t[positions].unsqueeze(1)  # [T, 1, rope_dim/2]
         sin = sin_t[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._rotate_halves(q, cos, sin), self._rotate_halves(k, cos, sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_pairs(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        # adjacent pairs as complex numbers: (x1 + i x2) * (cos + i sin)
+        d = self.rope_dim
+        xr = x[..., :d].float().reshape(*x.shape[:-1], d // 2, 2)
+        out = torch.view_as_real(torch.view_as_complex(xr) * rot).flatten(-2).to(x.dtype)
+        return out if d == x.shape[-1] else torch.cat((out, x[..., d:]), dim=-1)
+
+    def _rotate_halves(self, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
         d = self.rope_dim
         xr = x[..., :d].float()
-        if self.neox:
-            x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        else:
-            # adjacent pairs as complex numbers: (x1 + i x2) * (cos + i sin)
-            rot = torch.complex(cos, sin).expand(*xr.shape[:-1], d // 2)
-            pairs = torch.view_as_complex(xr.reshape(*xr.shape[:-1], d // 2, 2).contiguous())
-            out = torch.view_as_real(pairs * rot).flatten(-2)
-        out = out.to(x.dtype)
-        if d == x.shape[-1]:
-            return out
-        return torch.cat((out, x[..., d:]), dim=-1)
+        x1, x2 = xr[..., : d // 2], xr[..., d // 2:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return out if d == x.shape[-1] else torch.cat((out, x[..., d:]), dim=-1)
