@@ -39,7 +39,8 @@ def open_llama(path: Path | str, n_ctx: int = 512, n_threads: int = 2,
 def _logits(path: str, ids: list[int]) -> Any:
     import numpy as np
 
-    llm = open_llama(path, n_ctx=max(512, len(ids)), logits_all=True)
+    # one thread: a reference need not be fast, and a second thread stalls on a busy machine
+    llm = open_llama(path, n_ctx=max(512, len(ids)), n_threads=1, logits_all=True)
     llm.eval(ids)
     return np.array(llm.scores[: len(ids)])
 
@@ -47,7 +48,7 @@ def _logits(path: str, ids: list[int]) -> Any:
 def _greedy(path: str, ids: list[int], n: int) -> list[int]:
     import numpy as np
 
-    llm = open_llama(path, n_ctx=max(512, len(ids) + n), logits_all=True)
+    llm = open_llama(path, n_ctx=max(512, len(ids) + n), n_threads=1, logits_all=True)
     llm.eval(ids)
     out: list[int] = []
     for _ in range(n):

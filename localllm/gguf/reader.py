@@ -139,9 +139,16 @@ class GGUFFile:
             raise _Corrupt(f"header claims {n_tensors} tensors and {n_kv} keys")
         self.version = version
         self.metadata: dict[str, Any] = {}
+        # each key's value type and, for arrays, item type, as stored (for rewriting the file)
+        self.metadata_types: dict[str, tuple[int, int | None]] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.take("<I"))
+            vtype = cur.take("<I")
+            sub = None
+            if vtype == _ARRAY and cur.pos + 4 <= len(self._map):
+                (sub,) = struct.unpack_from("<I", self._map, cur.pos)
+            self.metadata[key] = cur.value(vtype)
+            self.metadata_types[key] = (vtype, sub)
         raw: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
