@@ -11,10 +11,13 @@ from localllm.errors import LocalLLMError
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF file (default: $LOCALLLM_MODEL, the config "
+    p.add_argument("--model", "-m", help="GGUF file or Hugging Face checkpoint folder "
+                   "(default: $LOCALLLM_MODEL, the config "
                    "file, then the installed default model)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="compute dtype (default: bfloat16)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "nf4"],
+                   help="quantize a Hugging Face checkpoint's linear weights on load")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length to serve (default: the model's)")
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
+
+    from localllm.apps.quantize import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -76,7 +83,8 @@ def load_llm(args: argparse.Namespace, threads: int | None = None):  # -> LLM
     cache = CacheConfig(memory_bytes=int(args.kv_cache_memory * 2**30))
     sched = SchedulerConfig(max_model_len=args.max_model_len)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
-              num_threads=threads or args.threads, progress=stderr_progress("loading"))
+              num_threads=threads or args.threads, progress=stderr_progress("loading"),
+              quantize=args.quantize)
     print(f"[{llm.path.name}: {llm.engine.kv_summary()}]", file=sys.stderr)
     return llm
 
@@ -115,8 +123,11 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from localllm.model_path import find_model
     from localllm.text.tokenizer import Tokenizer
 
-    gf = GGUFFile(find_model(args.model))
-    tok = Tokenizer.from_gguf_metadata(gf.metadata, source=str(gf.path))
+    path = find_model(args.model)
+    if path.is_dir():  # a Hugging Face checkpoint folder
+        tok = Tokenizer.from_tokenizer_json(path)
+    else:
+        tok = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata, source=str(path))
     ids = tok.encode(args.text, add_special=True, parse_special=args.special)
     print(" ".join(map(str, ids)))
     return 0
@@ -131,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "tokenize":
             return cmd_tokenize(args)
+        if args.command == "quantize":
+            from localllm.apps.quantize import cmd_quantize
+
+            return cmd_quantize(args)
         if args.command == "chat":
             import torch
 

@@ -10,6 +10,8 @@ import torch
 from localllm.errors import ModelLoadError, RequestError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -137,6 +139,96 @@ class ModelConfig:
             rope_scaling=scaling,
             name=str(name),
         )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json (transformers 4.x `rope_theta`/`rope_scaling`
+        or 5.x `rope_parameters`). Checkpoints in HF layout rotate halves (NEOX RoPE)."""
+        archs = cfg.get("architectures")
+        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+            raise ModelLoadError("config.json names no architecture ('architectures' is missing)")
+        arch = HF_ARCHITECTURES.get(archs[0])
+        if arch is None:
+            raise ModelLoadError(f"unsupported architecture {archs[0]!r} (supported: "
+                                 f"{', '.join(HF_ARCHITECTURES)})")
+
+        def get(key: str, default: Any = None, kind: type = int) -> Any:
+            value = cfg.get(key)
+            if value is None:
+                if default is None:
+                    raise ModelLoadError(f"config.json lacks required key {key!r}")
+                return default
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or (kind is int and int(value) != value):
+                raise ModelLoadError(f"config.json key {key!r} has {value!r}, expected "
+                                     f"{'an integer' if kind is int else 'a number'}")
+            return kind(value)
+
+        for key, bad in (("attention_bias", True), ("mlp_bias", True)):
+            if cfg.get(key) is bad and not (arch == "qwen2" and key == "attention_bias"):
+                raise ModelLoadError(f"config.json: {key}=true is not supported for {archs[0]}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"config.json: activation {act!r} is not supported (only silu)")
+        hidden = get("hidden_size")
+        n_heads = get("num_attention_heads")
+        head_dim = get("head_dim", hidden // n_heads if n_heads > 0 else 0)
+        context = get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window")
+        if isinstance(window, int) and window > 0 and (arch == "mistral"
+                                                       or cfg.get("use_sliding_window")):
+            context = min(context, window)  # NOTE: exact up to the window; no sliding attention
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"config.json: unreadable RoPE parameters {rope!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if not isinstance(theta, (int, float)) or theta <= 0:
+            raise ModelLoadError(f"config.json: bad rope_theta {theta!r}")
+        return cls(
+            arch=arch,
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=n_heads,
+            num_kv_heads=get("num_key_value_heads", n_heads),
+            head_dim=head_dim,
+            rms_norm_eps=get("rms_norm_eps", 1e-6, kind=float),
+            rope_theta=float(theta),
+            rope_dim=head_dim,
+            context_length=context,
+            rope_neox=True,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            rope_scaling=_hf_rope_scaling(rope, cfg.get("original_max_position_embeddings")
+                                        or get("max_position_embeddings", 2048)),
+            name=str(cfg.get("_name_or_path", "")),
+        )
+
+
+def _hf_rope_scaling(rope: dict[str, Any], original: Any) -> RopeScaling:
+    """RoPE scaling from HF `rope_parameters` / `rope_scaling`; unsupported variants raise."""
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ModelLoadError(f"unsupported RoPE scaling type {kind!r}")
+    factor = rope.get("factor")
+    if not isinstance(factor, (int, float)):
+        raise ModelLoadError(f"RoPE scaling {kind!r} needs a numeric factor, got {factor!r}")
+    original = rope.get("original_max_position_embeddings") or original or 0
+    if kind == "yarn":
+        custom = [k for k, default in (("beta_fast", 32), ("beta_slow", 1),
+                                       ("attention_factor", None), ("truncate", True))
+                  if rope.get(k) not in (None, default)]
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            custom.append("mscale")
+        if custom:
+            raise ModelLoadError(f"YaRN RoPE with custom {', '.join(custom)} is not supported")
+    return RopeScaling(kind=kind, factor=float(factor), original_context=int(original),
+                       low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                       high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ import torch
 from localllm.config import DTYPES, CacheConfig, SamplingParams, SchedulerConfig
 from localllm.engine.engine import LLMEngine, RequestOutput
 from localllm.engine.request import RequestTimes
-from localllm.errors import RequestError
+from localllm.errors import ModelLoadError, RequestError
+from localllm.hf import is_hf_checkpoint, load_hf
 from localllm.loader import ProgressFn, load_gguf
 from localllm.model_path import find_model
+from localllm.quant.quantize import QUANTIZE_MODES
 from localllm.text.chat_encode import encode_chat
 from localllm.text.chat_template import ChatTemplate
 
@@ -32,13 +34,25 @@ class Completion(NamedTuple):
 class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str = "bfloat16",
                  cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
-                 num_threads: int | None = None, progress: ProgressFn | None = None) -> None:
+                 num_threads: int | None = None, progress: ProgressFn | None = None,
+                 quantize: str | None = None) -> None:
+        """`model`: a GGUF file or a Hugging Face checkpoint folder. `quantize` ("int8",
+        "int4" or "nf4") quantizes a Hugging Face checkpoint's linear weights on load."""
         if dtype not in DTYPES:
             raise RequestError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise RequestError(f"unknown quantization {quantize!r} (choose from "
+                               f"{', '.join(QUANTIZE_MODES)})")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.path = find_model(model)
-        self.loaded = load_gguf(self.path, DTYPES[dtype], progress)
+        if is_hf_checkpoint(self.path):
+            self.loaded = load_hf(self.path, DTYPES[dtype], progress, quantize)
+        elif quantize is not None:
+            raise ModelLoadError(f"{self.path}: --quantize applies to Hugging Face checkpoint "
+                                 f"folders; a GGUF file keeps its own quantization")
+        else:
+            self.loaded = load_gguf(self.path, DTYPES[dtype], progress)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.template = ChatTemplate(self.tokenizer.chat_template, self.tokenizer.bos_token,

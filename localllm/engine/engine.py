@@ -167,6 +167,9 @@ class LLMEngine:
         logits, sampling = self.runner.execute(batch)
         if not sampling:
             return {}
+        if logits.shape[-1] > self.tokenizer.vocab_size:
+            # embeddings padded past the tokenizer: those ids have no text, never sample them
+            logits[:, self.tokenizer.vocab_size:] = float("-inf")
         if not torch.isfinite(logits).any(-1).all():
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling)

@@ -1,0 +1,176 @@
+"""Load a model and its tokenizer from a Hugging Face checkpoint folder.
+
+The folder holds `config.json`, `tokenizer.json` (+ `tokenizer_config.json`,
+`generation_config.json`) and `*.safetensors` weights in fp16/bf16/fp32, possibly sharded with
+`model.safetensors.index.json`, or bitsandbytes 4-bit/8-bit weights saved by transformers.
+HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is).
+
+`quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
+embedding or the LM head) on load, see `localllm.quant.quantize`. With bf16 compute, int4
+weights (groups of 32, no codebook) stay packed for the CPU int4 kernel through
+`Linear.set_quantized`; int8 and nf4 weights, and every weight with fp32 compute, are stored
+dequantized in the compute dtype for now: they carry the quantization error, not its memory
+savings. The GPU kernels will consume the packed formats directly. Bitsandbytes checkpoints
+are likewise dequantized at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from localllm.config import ModelConfig
+from localllm.errors import ModelLoadError
+from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
+from localllm.hf.weights import SafetensorsFolder
+from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.loader import LoadedModel, ProgressFn, file_fingerprint
+from localllm.models.llama import LlamaForCausalLM
+from localllm.models.registry import model_class
+from localllm.quant.formats import Int4Weight
+from localllm.quant.quantize import QUANTIZE_MODES, quantize
+from localllm.text.tokenizer import Tokenizer
+
+QUANT_GROUP = 32
+
+
+def is_hf_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` should load as a Hugging Face folder (rather than a GGUF file)."""
+    return Path(path).is_dir()
+
+
+def local_name(hf_name: str) -> str | None:
+    """`model.layers.0.self_attn.q_proj.weight` -> `layers.0.self_attn.q_proj.weight`."""
+    if hf_name.startswith("model."):
+        return hf_name[len("model."):]
+    return hf_name if hf_name == "lm_head.weight" else None
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{file}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: not a JSON object")
+    return data
+
+
+def _tensor_map(st: SafetensorsFolder, cfg: ModelConfig, cls: type[LlamaForCausalLM],
+                dtype: torch.dtype, bnb: bool) -> dict[str, str]:
+    """Check every tensor's shape against the config before allocating anything real;
+    returns parameter name -> checkpoint tensor name."""
+    src = str(st.folder)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in
+                  cls(cfg, dtype).named_parameters(remove_duplicate=False)}
+    layers = {int(n.split(".")[2]) for n in st.names()
+              if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if layers and max(layers) + 1 != cfg.num_layers:
+        raise ModelLoadError(f"{src}: config.json says {cfg.num_layers} layers but the weights "
+                             f"have tensors for {max(layers) + 1}")
+    found: dict[str, str] = {}
+    for hf_name in st.names():
+        name = local_name(hf_name)
+        if name is None or name not in shapes:
+            continue
+        shape = bnb_shape(st, hf_name) if bnb else st.shape(hf_name)
+        if shape != shapes[name]:
+            raise ModelLoadError(f"{src}: tensor {hf_name!r} has shape {shape}, config.json "
+                                 f"implies {shapes[name]}")
+        found[name] = hf_name
+    if cfg.tie_word_embeddings:
+        found.pop("lm_head.weight", None)  # the embedding is the LM head
+        shapes.pop("lm_head.weight")
+    missing = sorted(set(shapes) - set(found))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        names = ", ".join("model." + n if n != "lm_head.weight" else n for n in missing[:3])
+        raise ModelLoadError(f"{src}: missing tensors {names}{more}")
+    return found
+
+
+def _fingerprint(folder: Path, files: list[Path], quantize_mode: str | None) -> str:
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in files:
+        h.update(f"{file.name}:{file_fingerprint(file)}".encode())
+    h.update(f"quantize={quantize_mode}".encode())
+    return h.hexdigest()[:32]
+
+
+def _linear(model: LlamaForCausalLM, name: str) -> Linear | None:
+    """The Linear whose weight `name` is, except the LM head (kept in the compute dtype)."""
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    if attr != "weight" or not isinstance(module, Linear) or name == "lm_head.weight":
+        return None
+    return module
+
+
+def _load_linear(module: Linear, param: torch.Tensor, w: torch.Tensor,
+                 quantize_mode: str | None, dtype: torch.dtype) -> None:
+    if quantize_mode is None or w.shape[1] % QUANT_GROUP:
+        param.data.copy_(w)
+        return
+    qw = quantize(w, quantize_mode)
+    if isinstance(qw, Int4Weight) and quantized_cpu_supported(qw, dtype):
+        module.set_quantized(qw)
+    else:
+        param.data.copy_(qw.dequantize())
+
+
+def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
+            progress: ProgressFn | None = None, quantize: str | None = None) -> LoadedModel:
+    """Load a Hugging Face checkpoint folder (see the module docstring)."""
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: not a Hugging Face checkpoint folder")
+    src = str(folder)
+    raw = read_config(folder)
+    try:
+        cfg = ModelConfig.from_hf_config(raw)
+        bnb = bnb_method(raw.get("quantization_config"))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{src}: {e}") from None
+    if bnb is not None and quantize is not None:
+        raise ModelLoadError(f"{src}: the weights are already bitsandbytes {bnb}; drop "
+                             f"--quantize {quantize}")
+    if not cfg.name:
+        cfg = dataclasses.replace(cfg, name=folder.name)
+    tokenizer = Tokenizer.from_tokenizer_json(folder)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but the "
+                             f"embedding only {cfg.vocab_size}")
+    cls = model_class(cfg.arch)
+    with SafetensorsFolder(folder) as st:
+        tensors = _tensor_map(st, cfg, cls, dtype, bnb is not None)
+        try:
+            model = cls(cfg, dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise ModelLoadError(f"{src}: cannot allocate the model ({e})") from None
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for i, (name, hf_name) in enumerate(sorted(tensors.items())):
+            bnb_weight = bnb is not None and is_bnb_weight(st, hf_name)
+            w = dequantize_bnb(st, hf_name) if bnb_weight else st.get(hf_name)
+            module = _linear(model, name)
+            if module is not None:
+                _load_linear(module, params[name], w, quantize, dtype)
+            else:
+                params[name].data.copy_(w)
+            del w
+            if progress is not None:
+                progress(i + 1, len(tensors))
+        fingerprint = _fingerprint(folder, st.files, quantize)
+    model.eval()
+    return LoadedModel(model, tokenizer, cfg, folder, fingerprint)
