@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import sys
@@ -56,6 +57,15 @@ def stderr_progress(label: str) -> ProgressFn:
             print(f"\r{label}: {done}/{total} tensors", end=end, file=sys.stderr, flush=True)
 
     return report
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by load-time temporaries back to the OS (glibc keeps it otherwise:
+    about 190 MB of resident memory after loading the default model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausalLM],
@@ -139,4 +149,5 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
     if quantized and dtype == torch.bfloat16:
         model.lm_head.add_int8_rows()
     model.eval()
+    release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

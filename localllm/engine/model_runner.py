@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from localllm.config import ModelConfig
@@ -24,9 +27,19 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device) -> list[KVCache]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)]
+    if device.type != "cpu":
+        return [KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(cfg.num_layers)]
+    # NOTE: on the CPU the pools live in one anonymous memory map: the kernel hands out zeroed
+    # pages on first touch, so the cache is resident only as far as blocks are used, and an
+    # unwritten slot reads as 0 (never NaN garbage that a mask could not cancel).
+    per_pool = math.prod(shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    buf = mmap.mmap(-1, 2 * cfg.num_layers * per_pool * itemsize)
+    flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
+    pools = flat.view(cfg.num_layers, 2, *shape)
+    return [KVCache(pools[i, 0], pools[i, 1]) for i in range(cfg.num_layers)]
 
 
 class ModelRunner:

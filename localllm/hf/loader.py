@@ -30,7 +30,7 @@ from localllm.errors import ModelLoadError
 from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
 from localllm.hf.weights import SafetensorsFolder
 from localllm.layers.linear import Linear, quantized_cpu_supported
-from localllm.loader import LoadedModel, ProgressFn, file_fingerprint
+from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, release_freed_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.formats import Int4Weight
@@ -173,4 +173,5 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
                 progress(i + 1, len(tensors))
         fingerprint = _fingerprint(folder, st.files, quantize)
     model.eval()
+    release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, folder, fingerprint)
