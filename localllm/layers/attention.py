@@ -124,9 +124,9 @@ class TorchPagedAttention:
         lens = torch.tensor(ctxs, device=q.device)
         mask = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
-        qb = q[rows].unsqueeze(2)  # [B, n_heads, 1, head_dim]
+        # the query heads sharing a KV head act as its queries (GQA without expanding K/V)
+        qb = q[rows].view(b, n_kv, n_heads // n_kv, hd)  # [B, n_kv_heads, group, head_dim]
         o = F.scaled_dot_product_attention(
             qb, kt, vt, attn_mask=mask[:, None, None, :], scale=scale,
-            enable_gqa=n_heads != n_kv,
-        )  # [B, n_heads, 1, head_dim]
-        out[rows] = o.squeeze(2)
+        )  # [B, n_kv_heads, group, head_dim]
+        out[rows] = o.reshape(b, n_heads, hd)
