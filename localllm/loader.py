@@ -146,8 +146,6 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
                 params[name].data.copy_(dequantize(info, src))
         if progress is not None:
             progress(i + 1, len(infos))
-    if quantized and dtype == torch.bfloat16:
-        model.lm_head.add_int8_rows()
     model.eval()
     release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

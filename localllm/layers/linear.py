@@ -10,8 +10,11 @@ PyTorch's CPU weight-only kernel:
                          from the nibble-packed codes (no dense copy is kept), then one
                          dense matmul
 
-`quantized_cpu_supported` says which weights take this path; others are stored dense. The LM
-head, dense, may also keep a per-channel int8 copy for decode (`add_int8_rows`).
+`quantized_cpu_supported` says which weights take this path; others are stored dense.
+
+NOTE: the LM head stays dense on purpose. A per-channel int8 copy for decode was 1.3 ms a step
+faster, but a request's tokens then depended on how many others shared its step (1 row: int8
+head, 8 rows: bf16 head): 5 of 8 greedy sequences changed when batched.
 """
 
 from __future__ import annotations
@@ -26,9 +29,6 @@ from localllm.quant.formats import Int4Weight, Int8Weight
 # (default model shapes: the kernel costs about 25 us + 11 us per row, dequantizing about
 # 1 ms + a dense matmul; 512 rows: 5.2 ms vs 1.4 ms).
 INT4_KERNEL_MAX_ROWS = 64
-# The int8 per-channel kernel beats a bf16 matmul of the LM head's shape only for a few rows
-# (49152 x 576: 0.9 ms vs 2.0 ms at 1 row, 3.0 ms vs 2.0 ms at 8 rows).
-INT8_KERNEL_MAX_ROWS = 4
 
 
 def quantized_cpu_supported(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
@@ -55,9 +55,7 @@ class Linear(nn.Module):
         self.scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2] compute dtype
         self.nibbles: torch.Tensor | None = None  # uint8 [out, in / 2] (Int4Weight layout)
         self.group_scales: torch.Tensor | None = None  # [out, in / 32, 1] compute dtype
-        self.group_offsets: torch.Tensor | None = None  # [out, in / 32, 1] compute dtype
-        self.int8_rows: torch.Tensor | None = None  # int8 [out, in], one scale per row
-        self.int8_scales: torch.Tensor | None = None  # [out] compute dtype
+        self.group_offsets: torch.Tensor | None = None  # [out, in / 32, 1] zero points
 
     @property
     def quantized(self) -> bool:
@@ -78,19 +76,11 @@ class Linear(nn.Module):
         self.scales_zeros = torch.stack(
             [scales.t(), (offsets + 8.0 * scales).t()], dim=-1).to(self.dtype).contiguous()
         self.nibbles = w.qweight
-        self.group_scales = scales.to(self.dtype).unsqueeze(-1)
-        self.group_offsets = offsets.to(self.dtype).unsqueeze(-1)
+        # NOTE: the same rounded scale and zero point as the kernel's, so that prefill and
+        # decode compute with the same effective weights
+        self.group_scales = self.scales_zeros[..., 0].t().contiguous().unsqueeze(-1)
+        self.group_offsets = self.scales_zeros[..., 1].t().contiguous().unsqueeze(-1)
         self.weight = None
-
-    def add_int8_rows(self) -> None:
-        """Also keep a per-output-channel int8 copy of the dense weight for calls with few
-        rows (decode through the LM head). Lossy (about 0.4% of a row's largest weight at
-        most): only the bf16 fast path uses it."""
-        assert self.weight is not None and self.dtype == torch.bfloat16
-        w = self.weight.float()
-        scales = w.abs().amax(1).clamp_min(1e-12) / 127.0  # [out]
-        self.int8_rows = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.int8_scales = scales.to(self.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in the compute dtype, [out, in] (dequantized if held quantized)."""
@@ -100,16 +90,12 @@ class Linear(nn.Module):
         assert self.group_offsets is not None
         # column 2j is the low nibble of byte j, column 2j+1 the high nibble
         codes = torch.stack((self.nibbles & 15, self.nibbles >> 4), dim=-1)
-        codes = codes.view(self.out_features, -1, 32).to(self.dtype)  # [out, in / 32, 32]
-        w = torch.addcmul(self.group_offsets, codes, self.group_scales)
+        codes = codes.view(self.out_features, -1, 32).to(self.dtype) - 8  # [out, in / 32, 32]
+        w = torch.addcmul(self.group_offsets, codes, self.group_scales)  # (q - 8) * s + z
         return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.int8_rows is not None and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.int8_rows,
-                                                   self.int8_scales)
-            return y if self.bias is None else y + self.bias
         if self.packed is not None and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, 32,
                                                             self.scales_zeros)
