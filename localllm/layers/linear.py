@@ -53,7 +53,9 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed: torch.Tensor | None = None  # int4pack layout, [out, in / 2] uint8
         self.scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2] compute dtype
-        self.nibbles: torch.Tensor | None = None  # uint8 [out, in / 2] (Int4Weight layout)
+        # int8 [out, in / 2]: Int4Weight's bytes with each nibble's top bit flipped, so that an
+        # arithmetic shift yields the signed code q - 8 directly
+        self.nibbles: torch.Tensor | None = None
         self.group_scales: torch.Tensor | None = None  # [out, in / 32, 1] compute dtype
         self.group_offsets: torch.Tensor | None = None  # [out, in / 32, 1] zero points
 
@@ -75,7 +77,7 @@ class Linear(nn.Module):
             codes.to(torch.int32), 1)
         self.scales_zeros = torch.stack(
             [scales.t(), (offsets + 8.0 * scales).t()], dim=-1).to(self.dtype).contiguous()
-        self.nibbles = w.qweight
+        self.nibbles = (w.qweight ^ 0x88).view(torch.int8)
         # NOTE: the same rounded scale and zero point as the kernel's, so that prefill and
         # decode compute with the same effective weights
         self.group_scales = self.scales_zeros[..., 0].t().contiguous().unsqueeze(-1)
@@ -89,8 +91,9 @@ class Linear(nn.Module):
         assert self.nibbles is not None and self.group_scales is not None
         assert self.group_offsets is not None
         # column 2j is the low nibble of byte j, column 2j+1 the high nibble
-        codes = torch.stack((self.nibbles & 15, self.nibbles >> 4), dim=-1)
-        codes = codes.view(self.out_features, -1, 32).to(self.dtype) - 8  # [out, in / 32, 32]
+        n = self.nibbles
+        codes = torch.stack(((n << 4) >> 4, n >> 4), dim=-1)  # q - 8, int8
+        codes = codes.view(self.out_features, -1, 32).to(self.dtype)  # [out, in / 32, 32]
         w = torch.addcmul(self.group_offsets, codes, self.group_scales)  # (q - 8) * s + z
         return w.view(self.out_features, self.in_features)
 
