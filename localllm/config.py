@@ -15,6 +15,15 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _number(value: Any, kind: type, where: str) -> Any:
+    """`value` as `kind` (int or float), or a one-line error naming `where` it came from."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or (kind is int and int(value) != value):
+        raise ModelLoadError(f"{where} has {value!r}, expected "
+                             f"{'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. kind: none | linear | llama3 | yarn."""
@@ -90,13 +99,7 @@ class ModelConfig:
                     raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
                 return default
             value = meta[full]
-            if kind is str:
-                return value
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (kind is int and int(value) != value):
-                raise ModelLoadError(f"GGUF key {full!r} has {value!r}, expected "
-                                     f"{'an integer' if kind is int else 'a number'}")
-            return kind(value)
+            return value if kind is str else _number(value, kind, f"GGUF key {full!r}")
 
         hidden = get("embedding_length", required=True)
         n_heads = get("attention.head_count", required=True)
@@ -158,11 +161,7 @@ class ModelConfig:
                 if default is None:
                     raise ModelLoadError(f"config.json lacks required key {key!r}")
                 return default
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (kind is int and int(value) != value):
-                raise ModelLoadError(f"config.json key {key!r} has {value!r}, expected "
-                                     f"{'an integer' if kind is int else 'a number'}")
-            return kind(value)
+            return _number(value, kind, f"config.json key {key!r}")
 
         for key, bad in (("attention_bias", True), ("mlp_bias", True)):
             if cfg.get(key) is bad and not (arch == "qwen2" and key == "attention_bias"):
