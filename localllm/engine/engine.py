@@ -122,9 +122,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborts)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
