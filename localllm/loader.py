@@ -19,7 +19,7 @@ from localllm.gguf.tensors import dequantize, module_name
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
-from localllm.quant.formats import Int4Weight
+from localllm.quant.formats import Int4Weight, Int8Weight
 from localllm.quant.repack import repack
 from localllm.text.tokenizer import Tokenizer
 
@@ -101,10 +101,10 @@ def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo,
     """Hand a linear layer its weight in a quantized runtime format, where it has a path."""
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path)
-    if attr != "weight" or not isinstance(module, Linear) or name == "lm_head.weight":
+    if attr != "weight" or not isinstance(module, Linear):
         return False
     packed = repack(info)
-    if isinstance(packed, Int4Weight) and quantized_cpu_supported(packed, dtype):
+    if isinstance(packed, (Int4Weight, Int8Weight)) and quantized_cpu_supported(packed, dtype):
         module.set_quantized(packed)
         return True
     return False
@@ -146,6 +146,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
                 params[name].data.copy_(dequantize(info, src))
         if progress is not None:
             progress(i + 1, len(infos))
+    model.fuse_projections()
     model.eval()
     release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

@@ -12,9 +12,11 @@ from torch import nn
 from localllm.config import ModelConfig
 from localllm.layers.activation import silu_and_mul
 from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from localllm.layers.linear import Linear
+from localllm.layers.linear import Linear, fuse_linears
 from localllm.layers.norm import RMSNorm
 from localllm.layers.rope import RotaryEmbedding
+
+REFINE_TOP = 16  # bf16 compute: logits of the best tokens recomputed in fp32
 
 
 class Attention(nn.Module):
@@ -29,17 +31,36 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rope = rope
         self.scale = self.hd ** -0.5
+        self.qkv_proj: Linear | None = None  # q, k, v stacked, once `fuse` succeeds
+
+    def fuse(self) -> None:
+        """After loading: stack q/k/v into one layer (one matmul per step instead of three)
+        and drop the separate ones."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         # x: [num_tokens, hidden]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.hd)
-        k = self.k_proj(x).view(t, self.n_kv, self.hd)
-        v = self.v_proj(x).view(t, self.n_kv, self.hd)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        nh, nkv = self.n_heads, self.n_kv
+        if self.qkv_proj is not None and self.q_norm is None:
+            # q and k heads sit side by side in the fused output: one rotation for both
+            qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.hd)
+            qk = self.rope.rotate(positions, qkv[:, :nh + nkv])
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+        else:
+            if self.qkv_proj is not None:
+                qf, kf, vf = self.qkv_proj(x).split((nh * self.hd, nkv * self.hd,
+                                                     nkv * self.hd), dim=-1)
+            else:
+                qf, kf, vf = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = qf.view(t, nh, self.hd), kf.view(t, nkv, self.hd)
+            v = vf.view(t, nkv, self.hd)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope(positions, q, k)
         o = backend.forward(q, k, v, cache, meta, self.scale)  # [num_tokens, n_heads, head_dim]
         return self.o_proj(o.reshape(t, self.n_heads * self.hd))
 
@@ -50,9 +71,20 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj: Linear | None = None  # gate and up stacked, once `fuse` succeeds
+
+    def fuse(self) -> None:
+        """After loading: stack gate and up into one layer, and drop the separate ones."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up_proj is not None:
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -74,24 +106,60 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        # _weight skips the random init: the loader fills every parameter
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size,
-            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), _freeze=True)
+        # the embedding table is a Linear [vocab, hidden], so that a tied LM head is the same
+        # module and the weight is held once, quantized or not
+        self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, exact_rows=True)
         self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, dtype)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype))
+
+    def fuse_projections(self) -> None:
+        """After loading: stack the projections that read the same input (see `fuse`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter under the name the loaders fill (`layers.0.self_attn.q_proj.weight`,
+        ...), dense in the compute dtype: quantized weights dequantized, fused projections
+        split back into their parts. For inspection and tests; it copies quantized weights."""
+        out: dict[str, torch.Tensor] = {}
+        for prefix, module in self.named_modules(remove_duplicate=False):
+            parts: list[tuple[str, int]] = []
+            if isinstance(module, Attention) and module.qkv_proj is not None:
+                nq, nkv = module.n_heads * module.hd, module.n_kv * module.hd
+                parts = [("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)]
+                fused = module.qkv_proj
+            elif isinstance(module, MLP) and module.gate_up_proj is not None:
+                n = module.gate_up_proj.out_features // 2
+                parts = [("gate_proj", n), ("up_proj", n)]
+                fused = module.gate_up_proj
+            elif isinstance(module, Linear):
+                out[f"{prefix}.weight"] = module.dense_weight()
+                if module.bias is not None:
+                    out[f"{prefix}.bias"] = module.bias
+                continue
+            for name, p in module.named_parameters(recurse=False):
+                out[f"{prefix}.{name}"] = p
+            if parts:
+                sizes = [n for _, n in parts]
+                chunks = [fused.dense_weight().split(sizes)]
+                if fused.bias is not None:
+                    chunks.append(fused.bias.split(sizes))
+                for kind, pieces in zip(("weight", "bias"), chunks):
+                    for (name, _), piece in zip(parts, pieces):
+                        out[f"{prefix}.{name}.{kind}"] = piece
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[KVCache], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens.embed(input_ids)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, positions, cache, meta, backend)
         return self.norm(x)
@@ -99,4 +167,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.dtype == torch.float32:
+            return logits
+        # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
+        # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
+        # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
+        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=-1).indices  # [seqs, k]
+        rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]
+        exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
+        if self.lm_head.bias is not None:
+            exact = exact + self.lm_head.bias.float()[top]
+        return logits.scatter_(1, top, exact)

@@ -7,11 +7,11 @@ HF tensor names are localllm's module names with a `model.` prefix (`lm_head.wei
 
 `quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
 embedding or the LM head) on load, see `localllm.quant.quantize`. With bf16 compute, int4
-weights (groups of 32, no codebook) stay packed for the CPU int4 kernel through
-`Linear.set_quantized`; int8 and nf4 weights, and every weight with fp32 compute, are stored
-dequantized in the compute dtype for now: they carry the quantization error, not its memory
-savings. The GPU kernels will consume the packed formats directly. Bitsandbytes checkpoints
-are likewise dequantized at load.
+weights (groups of 32) and int8 weights (per channel) stay packed for PyTorch's CPU kernels
+through `Linear.set_quantized`; nf4 weights (no CPU kernel takes a codebook), and every weight
+with fp32 compute, are stored dequantized in the compute dtype: they carry the quantization
+error, not its memory savings. The GPU kernels will consume the packed formats directly.
+Bitsandbytes checkpoints are likewise dequantized at load.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, release_freed_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
-from localllm.quant.formats import Int4Weight
 from localllm.quant.quantize import QUANTIZE_MODES, quantize
 from localllm.text.tokenizer import Tokenizer
 
@@ -108,10 +107,12 @@ def _fingerprint(folder: Path, files: list[Path], quantize_mode: str | None) -> 
 
 
 def _linear(model: LlamaForCausalLM, name: str) -> Linear | None:
-    """The Linear whose weight `name` is, except the LM head (kept in the compute dtype)."""
+    """The Linear whose weight `name` is, except the embedding and the LM head (kept in the
+    compute dtype: quantizing them on load costs more quality than it saves)."""
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path)
-    if attr != "weight" or not isinstance(module, Linear) or name == "lm_head.weight":
+    if (attr != "weight" or not isinstance(module, Linear)
+            or name in ("lm_head.weight", "embed_tokens.weight")):
         return None
     return module
 
@@ -122,7 +123,7 @@ def _load_linear(module: Linear, param: torch.Tensor, w: torch.Tensor,
         param.data.copy_(w)
         return
     qw = quantize(w, quantize_mode)
-    if isinstance(qw, Int4Weight) and quantized_cpu_supported(qw, dtype):
+    if quantized_cpu_supported(qw, dtype):
         module.set_quantized(qw)
     else:
         param.data.copy_(qw.dequantize())
@@ -172,6 +173,7 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
             if progress is not None:
                 progress(i + 1, len(tensors))
         fingerprint = _fingerprint(folder, st.files, quantize)
+    model.fuse_projections()
     model.eval()
     release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, folder, fingerprint)

@@ -5,13 +5,17 @@ in the blocks listed by its block table; `slot_mapping[t] = block * block_size +
 new token t is written. The queries of a sequence are its last `query_len` positions, so a
 query at index i may attend to cached positions j <= context_len - query_len + i.
 
+The pools may hold a wider dtype than the activations (fp32 pools for bf16 compute on the CPU,
+see `localllm.engine.model_runner.kv_cache_dtype`): K/V values are the compute dtype's values
+either way, so results are the same, and decode attention reads fp32 without converting.
+
 `AttentionBackend` is the interface the Triton kernels of the GPU backend plug in behind; the
 CPU backend below is plain PyTorch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +29,19 @@ class AttentionMetadata:
     query_lens: list[int]  # per sequence, sums to num_tokens
     context_lens: list[int]  # per sequence: cached tokens after this step (incl. new ones)
     block_size: int
+    _seq_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def seq_slots(self, i: int) -> torch.Tensor:
+        """Pool slots of sequence i's cached positions 0..context_len-1: [context_len] int64.
+        Computed once per step and shared by every layer."""
+        slots = self._seq_slots.get(i)
+        if slots is None:
+            ctx, bs = self.context_lens[i], self.block_size
+            blocks = self.block_tables[i, :(ctx + bs - 1) // bs]
+            offsets = torch.arange(bs, device=blocks.device)
+            slots = (blocks[:, None] * bs + offsets).flatten()[:ctx]
+            self._seq_slots[i] = slots
+        return slots
 
 
 @dataclass
@@ -56,15 +73,21 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 class TorchPagedAttention:
     """CPU (and fallback) backend in plain PyTorch.
 
-    Single-token queries (decodes) of a batch are attended together: one padded gather of
-    their blocks and one SDPA call with a length mask. Longer queries (prefill chunks) are
-    attended one sequence at a time with a causal mask offset by the cached context.
+    - A prompt with nothing cached attends over its own new K/V (one causal SDPA call).
+    - A chunk after cached context gathers the sequence's K/V slots (one `index_select` per
+      pool) and runs SDPA with a causal mask offset by the cached length.
+    - A lone decode gathers likewise and computes in fp32 with two small matmuls, the query
+      heads of one KV head forming the rows of one matmul (GQA without expanding K/V).
+    - Several decodes in one step are attended together: one padded gather of their blocks and
+      one SDPA call with a length mask.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim]
         store_kv(cache, k, v, meta.slot_mapping)
+        if len(meta.query_lens) == 1:  # one sequence: no bookkeeping, no copy of the output
+            return self._one(q, k, v, cache, meta, 0, scale)
         out = torch.empty_like(q)
         starts = [0]
         for qlen in meta.query_lens:
@@ -75,35 +98,38 @@ class TorchPagedAttention:
             done = set(decodes)
         else:
             done = set()
-        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        for i in range(len(meta.query_lens)):
             if i not in done:
                 s, e = starts[i], starts[i + 1]
-                out[s:e] = self._one(q[s:e], cache, meta.block_tables[i], qlen, ctx,
-                                     meta.block_size, scale)
+                out[s:e] = self._one(q[s:e], k[s:e], v[s:e], cache, meta, i, scale)
         return out
 
     @staticmethod
-    def _one(q: torch.Tensor, cache: KVCache, table: torch.Tensor, qlen: int, ctx: int,
-             bs: int, scale: float) -> torch.Tensor:
-        # q: [qlen, n_heads, head_dim] -> [qlen, n_heads, head_dim]
-        n_heads, n_kv, hd = q.shape[1], cache.k.shape[2], cache.k.shape[3]
-        blocks = table[:(ctx + bs - 1) // bs]
-        kt = cache.k[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
-        vt = cache.v[blocks].view(-1, n_kv, hd)[:ctx].transpose(0, 1).to(q.dtype)
-        # kt, vt: [n_kv_heads, ctx, head_dim]
+    def _one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+             meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+        # q: [qlen, n_heads, head_dim]; k, v: this step's [qlen, n_kv_heads, head_dim]
+        qlen, n_heads, hd = q.shape
+        n_kv, ctx = k.shape[1], meta.context_lens[i]
+        if qlen == ctx:  # nothing cached before: the new K/V are the whole context
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                scale=scale, enable_gqa=n_heads != n_kv,
+            )  # [n_heads, qlen, head_dim]
+            return o.transpose(0, 1)
+        slots = meta.seq_slots(i)
+        kc = cache.k.view(-1, n_kv, hd).index_select(0, slots)  # [ctx, n_kv_heads, head_dim]
+        vc = cache.v.view(-1, n_kv, hd).index_select(0, slots)
         if qlen == 1:
-            # the query heads of one KV head form the rows of one small matmul (GQA); fp32,
-            # since CPU bf16 bmm of these tiny shapes takes a slow path (~60 us a call)
-            qg = q.view(n_kv, n_heads // n_kv, hd).float()  # [n_kv_heads, group, head_dim]
-            scores = torch.bmm(qg, kt.float().transpose(1, 2)) * scale  # [n_kv, group, ctx]
-            o = torch.bmm(scores.softmax(-1), vt.float())  # [n_kv, group, head_dim]
-            return o.to(q.dtype).reshape(1, n_heads, hd)
-        mask = None
-        if qlen < ctx:
-            mask = causal_mask(qlen, ctx, q.device)
+            # fp32 (CPU bf16 bmm of these tiny shapes takes a slow path); the query heads of
+            # one KV head are the rows of one matmul (GQA without expanding K/V)
+            qg = q.reshape(n_kv, n_heads // n_kv, hd).float()  # [n_kv_heads, group, head_dim]
+            p = torch.bmm(qg, kc.float().permute(1, 2, 0)).mul_(scale).softmax(-1)
+            o = torch.bmm(p, vc.float().transpose(0, 1))  # [n_kv_heads, group, head_dim]
+            return o.to(q.dtype).view(1, n_heads, hd)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kt, vt, attn_mask=mask, is_causal=qlen == ctx,
-            scale=scale, enable_gqa=n_heads != n_kv,
+            q.transpose(0, 1), kc.transpose(0, 1).to(q.dtype), vc.transpose(0, 1).to(q.dtype),
+            attn_mask=causal_mask(qlen, ctx, q.device), scale=scale,
+            enable_gqa=n_heads != n_kv,
         )  # [n_heads, qlen, head_dim]
         return o.transpose(0, 1)
 
@@ -118,15 +144,15 @@ class TorchPagedAttention:
         idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
         tables = meta.block_tables[idx, :width]  # [B, width]
         b = len(seqs)
-        kt = cache.k[tables].view(b, width * bs, n_kv, hd).transpose(1, 2).to(q.dtype)
-        vt = cache.v[tables].view(b, width * bs, n_kv, hd).transpose(1, 2).to(q.dtype)
-        # kt, vt: [B, n_kv_heads, width * block_size, head_dim]
+        kt = cache.k[tables].view(b, width * bs, n_kv, hd).transpose(1, 2)
+        vt = cache.v[tables].view(b, width * bs, n_kv, hd).transpose(1, 2)
+        # kt, vt: [B, n_kv_heads, width * block_size, head_dim] in the pool's dtype
         lens = torch.tensor(ctxs, device=q.device)
         mask = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
         # the query heads sharing a KV head act as its queries (GQA without expanding K/V)
         qb = q[rows].view(b, n_kv, n_heads // n_kv, hd)  # [B, n_kv_heads, group, head_dim]
         o = F.scaled_dot_product_attention(
-            qb, kt, vt, attn_mask=mask[:, None, None, :], scale=scale,
+            qb.to(kt.dtype), kt, vt, attn_mask=mask[:, None, None, :], scale=scale,
         )  # [B, n_kv_heads, group, head_dim]
-        out[rows] = o.reshape(b, n_heads, hd)
+        out[rows] = o.reshape(b, n_heads, hd).to(out.dtype)

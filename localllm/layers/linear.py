@@ -1,20 +1,16 @@
 """Linear layers: dense weights, or weights that stay quantized.
 
 Models declare `Linear` modules; the loader fills in their weights, either dense
-(`weight.data.copy_`) or through `set_quantized`, which keeps an int4 weight packed for
-PyTorch's CPU weight-only kernel:
+(`weight.data.copy_`) or through `set_quantized`, which keeps an int4 or int8 weight packed for
+PyTorch's CPU weight-only kernels (`localllm.layers.cpu_packed`): few rows (decode) run the
+packed kernel, many rows (prefill) dequantize the weight for that call and run one dense
+matmul. `quantized_cpu_supported` says which weights take this path; others are stored dense.
 
-    decode (few rows):   y = int4pack_mm(x, packed, group, scales_and_zeros)
-                         w = (q - 8) * scale + zero  with  zero = offset + 8 * scale
-    prefill (many rows): the weight is dequantized to the compute dtype for this call only
-                         from the nibble-packed codes (no dense copy is kept), then one
-                         dense matmul
+`fuse_linears` stacks layers that read the same input (q/k/v, gate/up) into one, so a decode
+step makes one kernel call where it made several.
 
-`quantized_cpu_supported` says which weights take this path; others are stored dense.
-
-NOTE: the LM head stays dense on purpose. A per-channel int8 copy for decode was 1.3 ms a step
-faster, but a request's tokens then depended on how many others shared its step (1 row: int8
-head, 8 rows: bf16 head): 5 of 8 greedy sequences changed when batched.
+A Linear also serves as an embedding table (`embed`), so that a tied embedding and LM head
+are one module holding one copy of the weight, quantized or not.
 """
 
 from __future__ import annotations
@@ -23,26 +19,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localllm.layers.cpu_packed import (
+    CpuPackedWeight,
+    CpuQuantWeight,
+    cpu_packable,
+    cpu_quant_weight,
+)
 from localllm.quant.formats import Int4Weight, Int8Weight
-
-# At or below this many rows the packed int4 kernel beats dequantize-then-dense-matmul on CPU
-# (default model shapes: the kernel costs about 25 us + 11 us per row, dequantizing about
-# 1 ms + a dense matmul; 512 rows: 5.2 ms vs 1.4 ms).
-INT4_KERNEL_MAX_ROWS = 64
 
 
 def quantized_cpu_supported(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
     """Whether `Linear.set_quantized` can keep `w` packed for compute dtype `dtype`."""
-    return (isinstance(w, Int4Weight) and w.codebook is None and w.group_size == 32
-            and dtype == torch.bfloat16 and w.in_features % 32 == 0)
+    return cpu_packable(w, dtype)
 
 
 class Linear(nn.Module):
     """y = x @ W^T (+ b)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, exact_rows: bool = False) -> None:
         super().__init__()
+        # rows are read one by one (an embedding, an LM head's refined logits): a quantized
+        # weight keeps its source scales so that they come out exact
+        self.exact_rows = exact_rows
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
@@ -51,56 +50,71 @@ class Linear(nn.Module):
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        self.packed: torch.Tensor | None = None  # int4pack layout, [out, in / 2] uint8
-        self.scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2] compute dtype
-        # int8 [out, in / 2]: Int4Weight's bytes with each nibble's top bit flipped, so that an
-        # arithmetic shift yields the signed code q - 8 directly
-        self.nibbles: torch.Tensor | None = None
-        self.group_scales: torch.Tensor | None = None  # [out, in / 32, 1] compute dtype
-        self.group_offsets: torch.Tensor | None = None  # [out, in / 32, 1] zero points
+        self.qweight: CpuQuantWeight | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.packed is not None
+        return self.qweight is not None
 
-    def set_quantized(self, w: Int4Weight) -> None:
+    def set_quantized(self, w: Int4Weight | Int8Weight) -> None:
         if not quantized_cpu_supported(w, self.dtype):
             raise ValueError("this weight format has no quantized CPU path")
         if (w.out_features, w.in_features) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {(w.out_features, w.in_features)} does not match "
                              f"{(self.out_features, self.in_features)}")
-        codes = w.codes()  # uint8 [out, in]
-        scales = w.scales.float()  # [out, in / 32]
-        offsets = (w.offsets.float() if w.offsets is not None
-                   else torch.full_like(scales, -8.0) * scales)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32), 1)
-        self.scales_zeros = torch.stack(
-            [scales.t(), (offsets + 8.0 * scales).t()], dim=-1).to(self.dtype).contiguous()
-        self.nibbles = (w.qweight ^ 0x88).view(torch.int8)
-        # NOTE: the same rounded scale and zero point as the kernel's, so that prefill and
-        # decode compute with the same effective weights
-        self.group_scales = self.scales_zeros[..., 0].t().contiguous().unsqueeze(-1)
-        self.group_offsets = self.scales_zeros[..., 1].t().contiguous().unsqueeze(-1)
+        self.qweight = cpu_quant_weight(w, self.dtype, exact_rows=self.exact_rows)
         self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in the compute dtype, [out, in] (dequantized if held quantized)."""
         if self.weight is not None:
             return self.weight
-        assert self.nibbles is not None and self.group_scales is not None
-        assert self.group_offsets is not None
-        # column 2j is the low nibble of byte j, column 2j+1 the high nibble
-        n = self.nibbles
-        codes = torch.stack(((n << 4) >> 4, n >> 4), dim=-1)  # q - 8, int8
-        codes = codes.view(self.out_features, -1, 32).to(self.dtype)  # [out, in / 32, 32]
-        w = torch.addcmul(self.group_offsets, codes, self.group_scales)  # (q - 8) * s + z
-        return w.view(self.out_features, self.in_features)
+        assert self.qweight is not None
+        return self.qweight.dense_t().t()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [num_tokens] -> rows of W [num_tokens, in_features] in the compute dtype
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        assert self.qweight is not None
+        return self.qweight.rows(ids).to(self.dtype)
+
+    def rows_fp32(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [n] -> rows of W [n, in_features] in fp32 (exact with `exact_rows`)
+        if self.weight is not None:
+            return self.weight[ids].float()
+        assert self.qweight is not None
+        return self.qweight.rows(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.packed is not None and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, 32,
-                                                            self.scales_zeros)
+        if self.qweight is not None:
+            y = self.qweight.matmul(x)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dense_weight(), self.bias)
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: list[Linear]) -> Linear | None:
+    """One Linear computing `cat([p(x) for p in parts], dim=-1)`, or None when the parts'
+    weights cannot be stacked (mixed quantized and dense, or incompatible packed layouts)."""
+    first = parts[0]
+    if any(p.in_features != first.in_features or p.dtype != first.dtype
+           or (p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    fused = Linear(first.in_features, sum(p.out_features for p in parts),
+                   first.bias is not None, first.dtype)
+    if all(p.weight is not None for p in parts):
+        assert fused.weight is not None
+        fused.weight.data = torch.cat([p.weight.data for p in parts if p.weight is not None])
+    else:
+        packed = [p.qweight for p in parts]
+        if not all(isinstance(q, CpuPackedWeight) for q in packed):
+            return None
+        stacked = CpuPackedWeight.concat([q for q in packed if isinstance(q, CpuPackedWeight)])
+        if stacked is None:
+            return None
+        fused.qweight, fused.weight = stacked, None
+    if fused.bias is not None:
+        fused.bias.data = torch.cat([p.bias.data for p in parts if p.bias is not None])
+    return fused

@@ -65,10 +65,13 @@ class RotaryEmbedding(nn.Module):
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._rot = torch.empty(0, dtype=torch.complex64)
+        self._last_positions: torch.Tensor | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (self._rot,) * 3
 
     def set_freq_factors(self, factors: torch.Tensor, cfg: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(cfg, factors)
         self._cos = torch.empty(0)
+        self._last_positions = None
 
     def _tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < n or self._cos.device != device:
@@ -78,18 +81,34 @@ class RotaryEmbedding(nn.Module):
             self._cos = freqs.cos() * self.mscale
             self._sin = freqs.sin() * self.mscale
             self._rot = torch.complex(self._cos, self._sin)  # e^(i p f), scaled
+            self._last_positions = None
         return self._cos, self._sin
+
+    def _at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rot, cos, sin) at `positions`, [T, 1, rope_dim/2] each (only rot for the pairs
+        layout, only cos and sin for halves). Every layer of a step passes the same positions
+        tensor, so the lookup is done once per step and reused."""
+        if positions is not self._last_positions:
+            cos_t, sin_t = self._tables(int(positions.max()) + 1, positions.device)
+            self._last_positions = positions
+            if self.neox:
+                self._last = (self._rot, cos_t[positions].unsqueeze(1),
+                              sin_t[positions].unsqueeze(1))
+            else:
+                self._last = (self._rot[positions].unsqueeze(1), cos_t, sin_t)
+        return self._last
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, heads, head_dim] (any heads: q, k, or both stacked)
+        rot, cos, sin = self._at(positions)
+        if not self.neox:
+            return self._rotate_pairs(x, rot)
+        return self._rotate_halves(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, n_heads, head_dim]; k: [T, n_kv_heads, head_dim]
-        cos_t, sin_t = self._tables(int(positions.max()) + 1, positions.device)
-        if not self.neox:
-            rot = self._rot[positions].unsqueeze(1)  # [T, 1, rope_dim/2] complex
-            return self._rotate_pairs(q, rot), self._rotate_pairs(k, rot)
-        cos = cos_t[positions].unsqueeze(1)  # [T, 1, rope_dim/2]
-        sin = sin_t[positions].unsqueeze(1)
-        return self._rotate_halves(q, cos, sin), self._rotate_halves(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
     def _rotate_pairs(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         # adjacent pairs as complex numbers: (x1 + i x2) * (cos + i sin)

@@ -63,22 +63,40 @@ class StopChecker:
         if self.stopped:
             return "", True
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        if hits:
+        hit = self._first_hit(buffer)
+        # where a stop string may begin that more text could still complete
+        open_at = len(buffer) - self._partial_suffix(buffer)
+        if hit >= 0 and hit <= open_at:
             self._pending = ""
             self.stopped = True
-            return buffer[: min(hits)], True
+            return buffer[:hit], True
+        # NOTE: a hit after an open start waits: a longer stop string beginning earlier
+        # may still complete, and the earliest one wins, however the text was split
+        self._pending = buffer[open_at:]
+        return buffer[:open_at], False
+
+    def flush(self) -> str:
+        """Held-back text at the end of the stream, up to a stop string found in it (then
+        `stopped` turns True)."""
+        text, self._pending = self._pending, ""
+        if self.stopped:
+            return ""
+        hit = self._first_hit(text)
+        if hit >= 0:
+            self.stopped = True
+            return text[:hit]
+        return text
+
+    def _first_hit(self, buffer: str) -> int:
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def _partial_suffix(self, buffer: str) -> int:
+        """Length of the longest end of `buffer` that is a proper prefix of a stop string."""
         hold = 0
         for stop in self._stops:
             for k in range(min(len(stop) - 1, len(buffer)), hold, -1):
                 if buffer.endswith(stop[:k]):
                     hold = k
                     break
-        cut = len(buffer) - hold
-        self._pending = buffer[cut:]
-        return buffer[:cut], False
-
-    def flush(self) -> str:
-        """Held-back text at the end of the stream (no stop string completed it)."""
-        text, self._pending = self._pending, ""
-        return "" if self.stopped else text
+        return hold

@@ -141,7 +141,7 @@ def test_quantize_on_load(folders: dict[str, Path], mode: str) -> None:
     _, rel, top1 = _stats(ours, exact)
     bf16 = load_hf(folder, torch.bfloat16, quantize=mode)
     packed = [m.quantized for n, m in bf16.model.named_modules() if n.endswith("proj")]
-    assert all(packed) if mode == "int4" else not any(packed)
+    assert all(packed) if mode in ("int4", "int8") else not any(packed)
     _, rel16, top1_16 = _stats(prompt_logits(bf16.model, ids), exact)
     print(f"\n{mode}: fp32 compute rel err {rel:.4f} top-1 {top1:.3f}; "
           f"bf16 compute rel err {rel16:.4f} top-1 {top1_16:.3f}")

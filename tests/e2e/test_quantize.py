@@ -199,7 +199,11 @@ def test_smollm_q8_metadata(smollm_path: Path, smollm_q8: Path) -> None:
 
 
 def test_smollm_q8_answers_paris(smollm_q8: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["generate", "--model", str(smollm_q8), "--chat", "--temperature", "0",
+    # fp32: on this file the first answer token wins by 0.14 logits ("The" over "L"), within
+    # bf16's noise, so bf16 greedy text changes with the thread count (its quality is
+    # measured by benchmarks/perplexity.py instead)
+    rc = main(["generate", "--model", str(smollm_q8), "--dtype", "float32", "--chat",
+               "--temperature", "0",
                "--max-tokens", "16", "--kv-cache-memory", "0.05",
                "What is the capital of France?"])
     out, _ = capsys.readouterr()

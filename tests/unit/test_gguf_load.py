@@ -76,7 +76,7 @@ def expect_load_error(path: Path | str, *fragments: str) -> None:
 
 def assert_weights_match(loaded: LoadedModel, written: WrittenModel) -> None:
     """Every stored tensor sits, exactly as gguf dequantizes it, in its model parameter."""
-    params = dict(loaded.model.named_parameters(remove_duplicate=False))
+    params = loaded.model.named_weights()
     for name in written.tensors:
         target = module_name(name)
         assert target is not None and target in params, name
@@ -198,6 +198,23 @@ def test_tied_embeddings(tmp_path: Path) -> None:
     assert torch.isfinite(prompt_logits(m, PROMPT)).all()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_logits_of_the_best_tokens_are_exact(tmp_path: Path, tied: bool) -> None:
+    # quantized head (Q8_0 embedding kept packed), bf16 compute: the top logits are recomputed
+    # in fp32 from the file's exact values, not left at bf16's coarse steps
+    spec = ModelSpec(tied=tied, qtype=QT.Q8_0)
+    written = write_model(tmp_path / "q8.gguf", spec)
+    m = load_gguf(written.path, torch.bfloat16).model
+    assert m.lm_head.quantized
+    head = written.values("token_embd.weight" if tied else "output.weight")
+    hidden = (torch.randn(4, spec.hidden) * 3).bfloat16()
+    logits = m.compute_logits(hidden)
+    exact = hidden.float() @ torch.from_numpy(head).T
+    top = exact.topk(4, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
 def test_untied_output_is_its_own_tensor(good: WrittenModel) -> None:
     m = load(good.path).model
     assert m.lm_head.weight.data_ptr() != m.embed_tokens.weight.data_ptr()
@@ -212,10 +229,10 @@ def test_qwen2_biases(tmp_path: Path) -> None:
     assert loaded.model.rope.neox is True
     for i in range(written.spec.layers):
         attn = loaded.model.layers[i].self_attn
-        for proj, short in ((attn.q_proj, "q"), (attn.k_proj, "k"), (attn.v_proj, "v")):
-            assert proj.bias is not None
+        weights = loaded.model.named_weights()
+        for short, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
             want = written.values(f"blk.{i}.attn_{short}.bias")
-            assert np.array_equal(proj.bias.numpy(), want)
+            assert np.array_equal(weights[f"layers.{i}.self_attn.{proj}.bias"].numpy(), want)
             assert np.any(want != 0)
         assert attn.o_proj.bias is None
     assert_weights_match(loaded, written)
@@ -230,7 +247,7 @@ def test_qwen3_qk_norm(tmp_path: Path) -> None:
     for i in range(written.spec.layers):
         attn = loaded.model.layers[i].self_attn
         assert attn.q_norm is not None and attn.k_norm is not None
-        assert attn.q_proj.bias is None
+        assert attn.qkv_proj is not None and attn.qkv_proj.bias is None
         assert np.array_equal(attn.q_norm.weight.numpy(),
                               written.values(f"blk.{i}.attn_q_norm.weight"))
         assert np.array_equal(attn.k_norm.weight.numpy(),

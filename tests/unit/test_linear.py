@@ -1,12 +1,15 @@
-"""Linear layers holding int4 weights: both CPU paths against the dequantized reference."""
+"""Linear layers holding packed int4/int8 weights: every CPU path against the dequantized
+reference (`Int4Weight.dequantize` / `Int8Weight.dequantize`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from localllm.layers.linear import INT4_KERNEL_MAX_ROWS, Linear, quantized_cpu_supported
-from localllm.quant.formats import Int4Weight, pack_nibbles
+from localllm.layers.cpu_packed import KERNEL_MAX_ROWS, CpuPackedWeight
+from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
+from localllm.quant.quantize import quantize_int8
 
 
 def random_int4(out: int, inp: int, offsets: bool, seed: int = 0) -> Int4Weight:
@@ -17,26 +20,81 @@ def random_int4(out: int, inp: int, offsets: bool, seed: int = 0) -> Int4Weight:
     return Int4Weight(pack_nibbles(codes), scales, offs, 32)
 
 
-@pytest.mark.parametrize("offsets", [True, False])  # Q4_1-like, Q4_0-like
-@pytest.mark.parametrize("rows", [1, 3, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 200])
-def test_int4_linear_matches_reference(offsets: bool, rows: int) -> None:
-    w = random_int4(96, 128, offsets)
-    lin = Linear(128, 96, bias=True, dtype=torch.bfloat16)
+def random_int8(out: int, inp: int, offsets: bool, seed: int = 0) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
+    scales = (torch.rand(out, inp // 32, generator=g) * 0.002 + 1e-4).half()
+    offs = (torch.randn(out, inp // 32, generator=g) * 0.05).half() if offsets else None
+    return Int8Weight(q, scales, offs, 32)
+
+
+WEIGHTS = {
+    "q4_1-like": lambda out: random_int4(out, 128, offsets=True),
+    "q4_0-like": lambda out: random_int4(out, 128, offsets=False),
+    "q8_0-like": lambda out: random_int8(out, 128, offsets=False),
+    "q5_1-like": lambda out: random_int8(out, 128, offsets=True),
+    "int8 per channel": lambda out: quantize_int8(
+        torch.randn(out, 128, generator=torch.Generator().manual_seed(3))),
+}
+
+
+def bf16_rounded_error(ref: torch.Tensor) -> float:
+    # bf16 activations, scales and zero points: relative error of a few 1e-3
+    return 2e-2 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("out", [96, 128])  # 96: rows padded to the kernel's tiles of 64
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS // 2 + 1, KERNEL_MAX_ROWS + 1, 200])
+def test_quantized_linear_matches_reference(kind: str, out: int, rows: int) -> None:
+    w = WEIGHTS[kind](out)
+    lin = Linear(128, out, bias=True, dtype=torch.bfloat16)
     lin.bias.data.normal_()  # type: ignore[union-attr]
     lin.set_quantized(w)
     assert lin.quantized and lin.weight is None
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.float() @ w.dequantize().t() + lin.bias.float()  # type: ignore[union-attr]
     y = lin(x).float()
-    # bf16 activations, scales and zero points: relative error of a few 1e-3
-    assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert y.shape == (rows, out)
+    assert (y - ref).abs().max() <= bf16_rounded_error(ref)
 
 
-def test_dense_weight_of_quantized_linear_is_the_dequantized_weight() -> None:
-    w = random_int4(64, 64, offsets=True)
-    lin = Linear(64, 64, bias=False, dtype=torch.bfloat16)
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -> None:
+    w = WEIGHTS[kind](96)
+    lin = Linear(128, 96, bias=False, dtype=torch.bfloat16)
     lin.set_quantized(w)
-    torch.testing.assert_close(lin.dense_weight().float(), w.dequantize(), rtol=1e-2, atol=1e-3)
+    ref = w.dequantize()
+    # bf16 scales: each value within half a bf16 ulp of its scale times the code range
+    torch.testing.assert_close(lin.dense_weight().float(), ref, rtol=1e-2, atol=2e-3)
+    ids = torch.tensor([0, 95, 31, 32, 63, 64, 5, 5])
+    torch.testing.assert_close(lin.embed(ids).float(), ref[ids], rtol=1e-2, atol=2e-3)
+    table = Linear(128, 96, bias=False, dtype=torch.bfloat16, exact_rows=True)
+    table.set_quantized(w)
+    # an embedding table's rows are the source's values, only rounded to bf16 once
+    assert torch.equal(table.embed(ids), ref[ids].bfloat16())
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_a_row_gets_the_same_result_alone_or_batched(kind: str) -> None:
+    # decode results must not depend on how many requests share the step
+    w = WEIGHTS[kind](128)
+    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
+    lin.set_quantized(w)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    batched = lin(x)
+    for i in range(8):
+        assert torch.equal(lin(x[i:i + 1])[0], batched[i])
+
+
+def test_int8_planes_reproduce_every_code_exactly() -> None:
+    # all 256 codes, scale 1 and offset 0: the split into two nibble planes is lossless
+    q = torch.arange(-128, 128, dtype=torch.int8).repeat(64, 1)  # [64, 256]
+    w = Int8Weight(q.contiguous(), torch.ones(64, 8, dtype=torch.float16), None, 32)
+    packed = CpuPackedWeight.from_weight(w, torch.bfloat16)
+    assert packed.planes == 2
+    assert torch.equal(packed.dense_t().t().float(), q.float())
+    assert torch.equal(packed.rows(torch.arange(64)), q.float())
 
 
 def test_unsupported_formats_are_refused() -> None:
@@ -47,3 +105,6 @@ def test_unsupported_formats_are_refused() -> None:
         lin.set_quantized(w)
     g16 = Int4Weight(w.qweight, w.scales.repeat_interleave(2, 1), None, 16)
     assert not quantized_cpu_supported(g16, torch.bfloat16)
+    nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
+    assert not quantized_cpu_supported(nf4, torch.bfloat16)
+    assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)

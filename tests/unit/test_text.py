@@ -229,6 +229,15 @@ def test_stop_checker_releases_false_alarms() -> None:
     assert StopChecker([]).feed("anything") == ("anything", False)
 
 
+def test_stop_checker_waits_for_a_longer_stop_that_began_earlier() -> None:
+    s = StopChecker(["<", "><<"])
+    assert s.feed("><") == ("", False)  # "<" is here, but "><<" may begin before it
+    assert s.feed("<") == ("", True)
+    t = StopChecker(["<", "><<"])
+    assert t.feed("><") == ("", False)
+    assert t.flush() == ">" and t.stopped  # the stream ended: "<" was the first stop
+
+
 @given(
     st.text(alphabet="ab<|>x", max_size=40),
     st.lists(st.integers(0, 40), max_size=6),
@@ -247,6 +256,7 @@ def test_stop_checker_matches_whole_text_search(
             break
     if not hit:
         shown += checker.flush()
+        hit = checker.stopped  # a stop string completed by the end of the stream
     first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     assert hit == (first >= 0)
     assert shown == (text[:first] if first >= 0 else text)

@@ -1,0 +1,198 @@
+"""Quantized weights kept packed for PyTorch's CPU weight-only int4 kernel.
+
+`torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)` computes
+`x @ W.T` with `W[n, k] = (c[n, k] - 8) * scale[g, n] + zero[g, n]`, `g = k // 32`, codes `c` in
+0..15 and bf16 scales/zeros. Its packed layout interleaves rows in tiles of 64: byte `j` of
+column `k` in tile `t` holds row `64t + j` in its low nibble and row `64t + 32 + j` in its high
+nibble:
+
+    packed.view(N / 64, K, 32)[t, k, j]:   bit 7           4 3           0
+                                              [ c[64t+32+j, k] | c[64t+j, k] ]
+
+Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales):
+
+    Int4Weight (one plane):  c = q,  zero = offset + 8 * scale  (offset = -8 * scale if none)
+    Int8Weight (two planes): q = 16 * h + l with h = q >> 4 in -8..7 and l = q & 15 in 0..15;
+        plane H: c = h + 8, scale 16 * s, zero = offset (0 if none)
+        plane L: c = l,     scale s,      zero = 8 * s
+        stacked along K, so `[x, x] @ [W_H, W_L].T = x @ (W_H + W_L).T = x @ W.T`
+
+Rows are padded to a multiple of 64 with zero weights. Int8 weights with one scale per output
+channel use `_weight_int8pack_mm` instead (`CpuInt8ChannelWeight`).
+
+The kernel's cost grows with the number of rows of `x` (about 25 us + 11 us a row on a
+576x1536 weight), so above `max_kernel_rows` the weight is dequantized for the call and one
+dense matmul runs. Every row goes through the same kernel whatever else shares its batch, so
+a request's results do not depend on its neighbours below that size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.quant.formats import Int4Weight, Int8Weight
+
+TILE = 64  # rows per tile of the packed layout
+GROUP = 32  # the only group size both formats and the kernel share
+# At or below this many rows per plane the packed kernel beats dequantize + dense matmul
+# (default model shapes, 2 cores: 512 rows 5.2 ms vs 1.4 ms; 1 row 28 us vs 1.4 ms).
+KERNEL_MAX_ROWS = 64
+
+
+def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
+    """Whether `w` can be held packed for CPU compute in `dtype` (bf16 only)."""
+    if dtype != torch.bfloat16 or w.in_features % GROUP:
+        return False
+    if isinstance(w, Int4Weight):
+        return w.codebook is None and w.group_size == GROUP
+    return w.group_size == GROUP or (w.per_channel and w.offsets is None)
+
+
+class CpuPackedWeight:
+    """An int4 or grouped int8 weight [out, in] in the int4 kernel's packed layout."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
+                 in_features: int, planes: int,
+                 exact: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        self.packed = packed  # uint8 [out_padded, planes * in / 2]
+        self.scales_zeros = scales_zeros  # bf16 [planes * in / 32, out_padded, 2]
+        # the source's own scales and offsets [out, in / 32], for exact `rows`
+        self.exact = exact
+        self.out_features = out_features
+        self.in_features = in_features
+        self.planes = planes
+        self.max_kernel_rows = KERNEL_MAX_ROWS // planes
+
+    @classmethod
+    def from_weight(cls, w: Int4Weight | Int8Weight, dtype: torch.dtype,
+                    exact_rows: bool = False) -> CpuPackedWeight:
+        """`exact_rows` keeps the source's scales (a few % more memory), so that `rows`
+        returns exactly the dequantized weight rather than bf16-rounded scales times codes
+        (an embedding table: its rows enter the residual stream as they are)."""
+        if not cpu_packable(w, dtype) or (isinstance(w, Int8Weight) and w.per_channel):
+            raise ValueError("this weight format has no packed int4 CPU layout")
+        s = w.scales.float()  # [out, in / 32]
+        if isinstance(w, Int4Weight):
+            codes = w.codes()  # uint8 [out, in]
+            zeros = (w.offsets.float() + 8.0 * s) if w.offsets is not None else torch.zeros_like(s)
+            scales, planes = s, 1
+        else:
+            q = w.qweight.to(torch.int16)
+            codes = torch.cat(((q >> 4) + 8, q & 15), dim=1).to(torch.uint8)  # [out, 2 * in]
+            hi_zero = w.offsets.float() if w.offsets is not None else torch.zeros_like(s)
+            scales = torch.cat((16.0 * s, s), dim=1)
+            zeros = torch.cat((hi_zero, 8.0 * s), dim=1)
+            planes = 2
+        out = w.out_features
+        pad = -out % TILE
+        if pad:
+            codes = torch.cat((codes, codes.new_full((pad, codes.shape[1]), 8)))
+            scales = torch.cat((scales, scales.new_zeros(pad, scales.shape[1])))
+            zeros = torch.cat((zeros, zeros.new_zeros(pad, zeros.shape[1])))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        sz = torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
+        exact = (w.scales, w.offsets) if exact_rows else None
+        return cls(packed, sz, out, w.in_features, planes, exact)
+
+    @staticmethod
+    def concat(parts: list[CpuPackedWeight]) -> CpuPackedWeight | None:
+        """The weights stacked along `out` (one kernel call instead of several), or None when
+        their layouts cannot be stacked (padded rows, different planes or input sizes)."""
+        first = parts[0]
+        if any(p.planes != first.planes or p.in_features != first.in_features
+               or p.out_features % TILE for p in parts):
+            return None
+        return CpuPackedWeight(torch.cat([p.packed for p in parts]),
+                               torch.cat([p.scales_zeros for p in parts], dim=1),
+                               sum(p.out_features for p in parts), first.in_features,
+                               first.planes)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scales_zeros.numel() * self.scales_zeros.element_size())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] bf16 -> [rows, out]
+        if x.shape[0] > self.max_kernel_rows:
+            return x @ self.dense_t()
+        xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
+                                                        self.scales_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def dense_t(self) -> torch.Tensor:
+        """W.T [in, out] in the compute dtype, dequantized for one call."""
+        n_pad, k2 = self.packed.shape[0], self.packed.shape[1] * 2
+        # flipping each nibble's top bit turns code c into c - 8 under an arithmetic shift
+        b = (self.packed ^ 0x88).view(torch.int8).view(n_pad // TILE, k2, TILE // 2)
+        c = torch.cat(((b << 4) >> 4, b >> 4), dim=2)  # c - 8: [tiles, K, 64]
+        c = c.permute(1, 0, 2).reshape(k2 // GROUP, GROUP, n_pad).to(self.scales_zeros.dtype)
+        sz = self.scales_zeros.unsqueeze(1)  # [K / 32, 1, out_padded, 2]
+        wt = torch.addcmul(sz[..., 1], c, sz[..., 0]).view(k2, n_pad)
+        if self.planes == 2:
+            wt = wt[:self.in_features] + wt[self.in_features:]
+        return wt if n_pad == self.out_features else wt[:, :self.out_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to
+        the source format's `dequantize()` rows when built with `exact_rows`."""
+        t, k2 = len(ids), self.packed.shape[1] * 2
+        half = TILE // 2
+        b = self.packed.view(-1, k2, half)[ids // TILE, :, ids % half]  # [T, planes * in]
+        c = torch.where((ids % TILE < half).unsqueeze(1), b & 15, b >> 4).float()
+        if self.exact is None:
+            sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / 32, 2]
+            w = ((c - 8.0).view(t, k2 // GROUP, GROUP) * sz[..., :1] + sz[..., 1:]).view(t, k2)
+            return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
+        scales, offsets = self.exact
+        if self.planes == 2:
+            q = (c[:, :self.in_features] - 8.0) * 16.0 + c[:, self.in_features:]
+        else:
+            q = c if offsets is not None else c - 8.0
+        # the operation order of Int4Weight / Int8Weight.dequantize: scale * q (+ offset)
+        w = q.view(t, -1, GROUP) * scales[ids].float().unsqueeze(-1)
+        if offsets is not None:
+            w = w + offsets[ids].float().unsqueeze(-1)
+        return w.view(t, self.in_features)
+
+
+class CpuInt8ChannelWeight:
+    """An int8 weight with one scale per output channel, for `_weight_int8pack_mm`."""
+
+    def __init__(self, w: Int8Weight, dtype: torch.dtype) -> None:
+        if not (w.per_channel and w.offsets is None and dtype == torch.bfloat16):
+            raise ValueError("only symmetric per-channel int8 weights take the int8 CPU kernel")
+        self.qweight = w.qweight  # int8 [out, in]
+        self.scales = w.scales.view(-1).to(dtype)  # [out]
+        self.exact_scales = w.scales.view(-1)  # [out], the source's, for exact `rows`
+        self.out_features = w.out_features
+        self.in_features = w.in_features
+        self.max_kernel_rows = KERNEL_MAX_ROWS
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] bf16 -> [rows, out]
+        if x.shape[0] > self.max_kernel_rows:
+            return x @ self.dense_t()
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dense_t(self) -> torch.Tensor:
+        return (self.qweight.to(self.scales.dtype) * self.scales.unsqueeze(1)).t()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float() * self.exact_scales[ids].float().unsqueeze(1)
+
+
+CpuQuantWeight = CpuPackedWeight | CpuInt8ChannelWeight
+
+
+def cpu_quant_weight(w: Int4Weight | Int8Weight, dtype: torch.dtype,
+                     exact_rows: bool = False) -> CpuQuantWeight:
+    """The CPU-packed form of `w` (check `cpu_packable` first)."""
+    if isinstance(w, Int8Weight) and w.per_channel:
+        return CpuInt8ChannelWeight(w, dtype)
+    return CpuPackedWeight.from_weight(w, dtype, exact_rows)
