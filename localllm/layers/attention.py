@@ -110,12 +110,14 @@ class TorchPagedAttention:
         # q: [qlen, n_heads, head_dim]; k, v: this step's [qlen, n_kv_heads, head_dim]
         qlen, n_heads, hd = q.shape
         n_kv, ctx = k.shape[1], meta.context_lens[i]
+        # NOTE: SDPA gets 4-D inputs: 3-D ones take PyTorch's unfused math path on the CPU
+        # (10x slower for a 512-token prompt)
         if qlen == ctx:  # nothing cached before: the new K/V are the whole context
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                scale=scale, enable_gqa=n_heads != n_kv,
-            )  # [n_heads, qlen, head_dim]
-            return o.transpose(0, 1)
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=scale, enable_gqa=n_heads != n_kv,
+            )  # [1, n_heads, qlen, head_dim]
+            return o[0].transpose(0, 1)
         slots = meta.seq_slots(i)
         kc = cache.k.view(-1, n_kv, hd).index_select(0, slots)  # [ctx, n_kv_heads, head_dim]
         vc = cache.v.view(-1, n_kv, hd).index_select(0, slots)
@@ -127,11 +129,11 @@ class TorchPagedAttention:
             o = torch.bmm(p, vc.float().transpose(0, 1))  # [n_kv_heads, group, head_dim]
             return o.to(q.dtype).view(1, n_heads, hd)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kc.transpose(0, 1).to(q.dtype), vc.transpose(0, 1).to(q.dtype),
-            attn_mask=causal_mask(qlen, ctx, q.device), scale=scale,
-            enable_gqa=n_heads != n_kv,
-        )  # [n_heads, qlen, head_dim]
-        return o.transpose(0, 1)
+            q.transpose(0, 1)[None], kc.transpose(0, 1).to(q.dtype)[None],
+            vc.transpose(0, 1).to(q.dtype)[None], attn_mask=causal_mask(qlen, ctx, q.device),
+            scale=scale, enable_gqa=n_heads != n_kv,
+        )  # [1, n_heads, qlen, head_dim]
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode_batch(q: torch.Tensor, out: torch.Tensor, cache: KVCache,

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import torch
 
-from localllm.quant.formats import Int4Weight, Int8Weight
+from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
 TILE = 64  # rows per tile of the packed layout
 GROUP = 32  # the only group size both formats and the kernel share
 # At or below this many rows per plane the packed kernel beats dequantize + dense matmul
 # (default model shapes, 2 cores: 512 rows 5.2 ms vs 1.4 ms; 1 row 28 us vs 1.4 ms).
 KERNEL_MAX_ROWS = 64
+PACK_ROWS = 4096  # rows converted to the packed layout at a time (a multiple of TILE)
 
 
 def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
@@ -46,6 +47,20 @@ def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
     if isinstance(w, Int4Weight):
         return w.codebook is None and w.group_size == GROUP
     return w.group_size == GROUP or (w.per_channel and w.offsets is None)
+
+
+def _codes(w: Int4Weight | Int8Weight, start: int, end: int) -> torch.Tensor:
+    """Kernel codes 0..15 of rows start..end (rows past `out` are padding: code 8, weight 0):
+    uint8 [end - start, planes * in]."""
+    stop = min(end, w.out_features)
+    if isinstance(w, Int4Weight):
+        codes = unpack_nibbles(w.qweight[start:stop])
+    else:
+        q = w.qweight[start:stop].to(torch.int16)
+        codes = torch.cat(((q >> 4) + 8, q & 15), dim=1).to(torch.uint8)  # planes H | L
+    if stop < end:
+        codes = torch.cat((codes, codes.new_full((end - stop, codes.shape[1]), 8)))
+    return codes
 
 
 class CpuPackedWeight:
@@ -73,12 +88,9 @@ class CpuPackedWeight:
             raise ValueError("this weight format has no packed int4 CPU layout")
         s = w.scales.float()  # [out, in / 32]
         if isinstance(w, Int4Weight):
-            codes = w.codes()  # uint8 [out, in]
             zeros = (w.offsets.float() + 8.0 * s) if w.offsets is not None else torch.zeros_like(s)
             scales, planes = s, 1
         else:
-            q = w.qweight.to(torch.int16)
-            codes = torch.cat(((q >> 4) + 8, q & 15), dim=1).to(torch.uint8)  # [out, 2 * in]
             hi_zero = w.offsets.float() if w.offsets is not None else torch.zeros_like(s)
             scales = torch.cat((16.0 * s, s), dim=1)
             zeros = torch.cat((hi_zero, 8.0 * s), dim=1)
@@ -86,10 +98,14 @@ class CpuPackedWeight:
         out = w.out_features
         pad = -out % TILE
         if pad:
-            codes = torch.cat((codes, codes.new_full((pad, codes.shape[1]), 8)))
             scales = torch.cat((scales, scales.new_zeros(pad, scales.shape[1])))
             zeros = torch.cat((zeros, zeros.new_zeros(pad, zeros.shape[1])))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        # tiles of 64 rows pack independently: converting a few at a time keeps the int32
+        # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
+        packed = torch.cat([
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                _codes(w, r, min(r + PACK_ROWS, out + pad)).to(torch.int32), 1)
+            for r in range(0, out + pad, PACK_ROWS)])
         sz = torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
         exact = (w.scales, w.offsets) if exact_rows else None
         return cls(packed, sz, out, w.in_features, planes, exact)
@@ -124,15 +140,22 @@ class CpuPackedWeight:
     def dense_t(self) -> torch.Tensor:
         """W.T [in, out] in the compute dtype, dequantized for one call."""
         n_pad, k2 = self.packed.shape[0], self.packed.shape[1] * 2
+        half = TILE // 2
         # flipping each nibble's top bit turns code c into c - 8 under an arithmetic shift
-        b = (self.packed ^ 0x88).view(torch.int8).view(n_pad // TILE, k2, TILE // 2)
-        c = torch.cat(((b << 4) >> 4, b >> 4), dim=2)  # c - 8: [tiles, K, 64]
-        c = c.permute(1, 0, 2).reshape(k2 // GROUP, GROUP, n_pad).to(self.scales_zeros.dtype)
-        sz = self.scales_zeros.unsqueeze(1)  # [K / 32, 1, out_padded, 2]
-        wt = torch.addcmul(sz[..., 1], c, sz[..., 0]).view(k2, n_pad)
+        b = (self.packed ^ 0x88).view(torch.int8).view(n_pad // TILE, k2, half)
+        # W.T[k, 64t + j] is the low nibble of b[t, k, j] for j < 32, the high one above
+        wt = torch.empty(k2, n_pad // TILE, 2, half, dtype=self.scales_zeros.dtype)
+        wt[:, :, 0].copy_(((b << 4) >> 4).permute(1, 0, 2))
+        wt[:, :, 1].copy_((b >> 4).permute(1, 0, 2))
+        groups = wt.view(k2 // GROUP, GROUP, n_pad)
+        # contiguous copies of the (small) scales and zeros: strided ones make addcmul 3x slower
+        scale = self.scales_zeros[..., 0].unsqueeze(1).contiguous()  # [K / 32, 1, out_padded]
+        zero = self.scales_zeros[..., 1].unsqueeze(1).contiguous()
+        torch.addcmul(zero, groups, scale, out=groups)  # (c - 8) * scale + zero
+        w = wt.view(k2, n_pad)
         if self.planes == 2:
-            wt = wt[:self.in_features] + wt[self.in_features:]
-        return wt if n_pad == self.out_features else wt[:, :self.out_features]
+            w = w[:self.in_features] + w[self.in_features:]
+        return w if n_pad == self.out_features else w[:, :self.out_features]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to

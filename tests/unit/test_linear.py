@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localllm.layers import cpu_packed
 from localllm.layers.cpu_packed import KERNEL_MAX_ROWS, CpuPackedWeight
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
@@ -108,3 +109,14 @@ def test_unsupported_formats_are_refused() -> None:
     nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
     assert not quantized_cpu_supported(nf4, torch.bfloat16)
     assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["q4_1-like", "q5_1-like"])
+def test_packing_a_few_tiles_at_a_time_gives_the_same_layout(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = WEIGHTS[kind](200)  # 200 rows: three full tiles of 64 and a padded one
+    whole = CpuPackedWeight.from_weight(w, torch.bfloat16)
+    monkeypatch.setattr(cpu_packed, "PACK_ROWS", 64)
+    tiled = CpuPackedWeight.from_weight(w, torch.bfloat16)
+    assert torch.equal(whole.packed, tiled.packed)
+    assert torch.equal(whole.scales_zeros, tiled.scales_zeros)
