@@ -28,6 +28,7 @@ from llama_ref import in_child, open_llama  # noqa: E402
 
 from localllm import LLM, SamplingParams  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
+from localllm.engine.model_runner import kv_bytes_per_token, kv_cache_dtype  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the budget "
@@ -52,12 +53,37 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def kv_blocks_touched(llm: LLM) -> int:
+    """KV blocks ever written (resident in the pool's memory map): never-used blocks leave the
+    free queue first, in id order, and freed ones return to its end."""
+    bm = llm.engine.bm
+    keys = list(bm.free_ids)
+    untouched = 0
+    while untouched < len(keys) and keys[untouched] == keys[0] + untouched:
+        untouched += 1
+    if untouched and keys[untouched - 1] != bm.num_blocks - 1:
+        untouched = 0  # that run was recycled blocks, not the never-used tail
+    return bm.num_blocks - untouched
+
+
 def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
                    repeat: int) -> dict[str, float]:
+    base = rss_mib()
     t0 = time.perf_counter()
     llm = LLM(path, dtype=dtype, scheduler=SchedulerConfig(max_num_batched_tokens=max(
         n_prompt, 512), max_num_seqs=1))
     load = time.perf_counter() - t0
+    llm.generate([llm.encode("Hello")], SamplingParams(max_tokens=1, temperature=0))
+    first_token = time.perf_counter() - t0
     ids = prompt_ids(llm, n_prompt)
     pp = []
     vocab = llm.config.vocab_size
@@ -74,8 +100,13 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
                                                    ignore_eos=True))[0]
         times = out.times.token_times
         tg.append((times[-1] - times[0]) / (len(times) - 1))
-    return {"load_s": load, "prefill_tok_s": n_prompt / min(pp[1:]),
-            "decode_tok_s": 1 / min(tg[1:]), "peak_rss_mib": peak_rss_mib(), "ids": ids}
+    kv_bytes = kv_bytes_per_token(llm.config, kv_cache_dtype("auto", llm.engine.runner.model.dtype,
+                                                             torch.device("cpu")))
+    return {"load_s": load, "load_to_first_token_s": first_token,
+            "prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:]),
+            "peak_rss_mib": peak_rss_mib(), "baseline_rss_mib": base,
+            "kv_used_mib": kv_blocks_touched(llm) * llm.engine.block_size * kv_bytes / 2**20,
+            "ids": ids}
 
 
 def bench_llama_cpp(path: Path, threads: int, n_prompt: int, n_decode: int,
@@ -168,8 +199,16 @@ def main() -> None:
               f"{r['peak_rss_mib']:>10.0f}"
               f"{ours['prefill_tok_s'] / r['prefill_tok_s']:>9.2f}"
               f"{ours['decode_tok_s'] / r['decode_tok_s']:>9.2f}")
-    print(f"localllm: load {ours['load_s']:.2f} s, peak RSS {ours['peak_rss_mib']:.0f} MiB "
+    print(f"localllm: load {ours['load_s']:.2f} s, load to first token "
+          f"{ours['load_to_first_token_s']:.2f} s, peak RSS {ours['peak_rss_mib']:.0f} MiB "
           f"({args.dtype})")
+    file_mib = path.stat().st_size / 2**20
+    model_peak = ours["peak_rss_mib"] - ours["baseline_rss_mib"]
+    print(f"localllm memory: file {file_mib:.0f} MiB; peak above the process with torch "
+          f"imported ({ours['baseline_rss_mib']:.0f} MiB) {model_peak:.0f} MiB = "
+          f"{model_peak / file_mib:.2f}x the file; KV in use about {ours['kv_used_mib']:.0f} "
+          f"MiB (prefix-cached prompts included); target < 1.5x file + KV = "
+          f"{1.5 * file_mib + ours['kv_used_mib']:.0f} MiB")
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(),
                 "cpus": torch.get_num_threads(), "torch": torch.__version__,
