@@ -84,7 +84,7 @@ class CpuPackedWeight:
         """`exact_rows` keeps the source's scales (a few % more memory), so that `rows`
         returns exactly the dequantized weight rather than bf16-rounded scales times codes
         (an embedding table: its rows enter the residual stream as they are)."""
-        if not cpu_packable(w, dtype) or (isinstance(w, Int8Weight) and w.per_channel):
+        if not cpu_packable(w, dtype) or w.group_size != GROUP:
             raise ValueError("this weight format has no packed int4 CPU layout")
         s = w.scales.float()  # [out, in / 32]
         if isinstance(w, Int4Weight):
@@ -216,6 +216,6 @@ CpuQuantWeight = CpuPackedWeight | CpuInt8ChannelWeight
 def cpu_quant_weight(w: Int4Weight | Int8Weight, dtype: torch.dtype,
                      exact_rows: bool = False) -> CpuQuantWeight:
     """The CPU-packed form of `w` (check `cpu_packable` first)."""
-    if isinstance(w, Int8Weight) and w.per_channel:
+    if isinstance(w, Int8Weight) and w.per_channel and w.offsets is None:
         return CpuInt8ChannelWeight(w, dtype)
     return CpuPackedWeight.from_weight(w, dtype, exact_rows)

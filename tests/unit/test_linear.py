@@ -120,3 +120,14 @@ def test_packing_a_few_tiles_at_a_time_gives_the_same_layout(
     tiled = CpuPackedWeight.from_weight(w, torch.bfloat16)
     assert torch.equal(whole.packed, tiled.packed)
     assert torch.equal(whole.scales_zeros, tiled.scales_zeros)
+
+
+def test_int8_with_offsets_and_32_columns_takes_the_packed_path() -> None:
+    # one group of 32 is also "per channel": with offsets only the grouped path can hold it
+    w = random_int8(64, 32, offsets=True)
+    assert w.per_channel and quantized_cpu_supported(w, torch.bfloat16)
+    lin = Linear(32, 64, bias=False, dtype=torch.bfloat16)
+    lin.set_quantized(w)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ref = x.float() @ w.dequantize().t()
+    assert (lin(x).float() - ref).abs().max() <= bf16_rounded_error(ref)
