@@ -28,7 +28,7 @@ from llama_ref import in_child, open_llama  # noqa: E402
 
 from localllm import LLM, SamplingParams  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
-from localllm.engine.model_runner import kv_bytes_per_token, kv_cache_dtype  # noqa: E402
+from localllm.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the budget "
@@ -100,8 +100,7 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
                                                    ignore_eos=True))[0]
         times = out.times.token_times
         tg.append((times[-1] - times[0]) / (len(times) - 1))
-    kv_bytes = kv_bytes_per_token(llm.config, kv_cache_dtype("auto", llm.engine.runner.model.dtype,
-                                                             torch.device("cpu")))
+    kv_bytes = kv_bytes_per_token(llm.config, llm.engine.runner.model.dtype)
     return {"load_s": load, "load_to_first_token_s": first_token,
             "prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:]),
             "peak_rss_mib": peak_rss_mib(), "baseline_rss_mib": base,

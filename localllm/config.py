@@ -235,13 +235,8 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0: size from memory_bytes
     memory_bytes: int = 0  # 0: enough for max_model_len tokens of every running sequence
-    # "auto": fp32 on the CPU (decode attention reads it without converting; the values are
-    # the compute dtype's either way), the compute dtype elsewhere; or "float32"/"bfloat16"
-    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_dtype must be auto, float32 or bfloat16, got {self.kv_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 0 or self.memory_bytes < 0:

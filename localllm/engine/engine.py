@@ -12,7 +12,7 @@ import torch
 from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineSnapshot, EngineStats, engine_snapshot
-from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_cache_dtype
+from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from localllm.engine.request import FinishReason, Request, RequestStatus
 from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -61,8 +61,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         self.max_model_len = min(sched.max_model_len or cfg.context_length, cfg.context_length)
-        kv_dtype = kv_cache_dtype(cache.kv_dtype, loaded.model.dtype, torch.device("cpu"))
-        per_block = kv_bytes_per_token(cfg, kv_dtype) * cache.block_size
+        per_block = kv_bytes_per_token(cfg, loaded.model.dtype) * cache.block_size
         if cache.num_blocks:
             num_blocks = cache.num_blocks
         else:
@@ -75,7 +74,7 @@ class LLMEngine:
         # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
-        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, kv_dtype)
+        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._texts: dict[str, _TextState] = {}

@@ -19,14 +19,6 @@ from localllm.layers.attention import (
 from localllm.models.llama import LlamaForCausalLM
 
 
-def kv_cache_dtype(kv_dtype: str, compute_dtype: torch.dtype,
-                   device: torch.device) -> torch.dtype:
-    """The pools' dtype for CacheConfig.kv_dtype (see there)."""
-    if kv_dtype == "auto":
-        return torch.float32 if device.type == "cpu" else compute_dtype
-    return getattr(torch, kv_dtype)
-
-
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -52,14 +44,14 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device | None = None,
+                 device: torch.device | None = None,
                  backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.block_size = block_size
         self.device = device or torch.device("cpu")
         self.backend: AttentionBackend = backend or TorchPagedAttention()
-        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, block_size, kv_dtype,
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, block_size, model.dtype,
                                             self.device)
 
     def _prepare(self, batch: list[ScheduledRequest]
@@ -121,9 +113,7 @@ def prompt_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int
     """
     n = len(token_ids)
     nb = -(-n // block_size)
-    cpu = torch.device("cpu")
-    caches = allocate_kv_caches(model.cfg, nb, block_size,
-                                kv_cache_dtype("auto", model.dtype, cpu), cpu)
+    caches = allocate_kv_caches(model.cfg, nb, block_size, model.dtype, torch.device("cpu"))
     table = torch.arange(nb, dtype=torch.long).unsqueeze(0)
     step = chunk if chunk > 0 else n
     out = []

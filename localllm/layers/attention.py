@@ -5,10 +5,6 @@ in the blocks listed by its block table; `slot_mapping[t] = block * block_size +
 new token t is written. The queries of a sequence are its last `query_len` positions, so a
 query at index i may attend to cached positions j <= context_len - query_len + i.
 
-The pools may hold a wider dtype than the activations (fp32 pools for bf16 compute on the CPU,
-see `localllm.engine.model_runner.kv_cache_dtype`): K/V values are the compute dtype's values
-either way, so results are the same, and decode attention reads fp32 without converting.
-
 `AttentionBackend` is the interface the Triton kernels of the GPU backend plug in behind; the
 CPU backend below is plain PyTorch.
 """
@@ -22,6 +18,15 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    seqs: list[int]  # the decoding sequences, B of them
+    rows: torch.Tensor  # [B] their query's row in the flat batch
+    blocks: torch.Tensor  # [B * width] their block tables, padded to the longest
+    padded_len: int  # width * block_size
+    mask: torch.Tensor  # [B, 1, 1, padded_len] True at each sequence's cached positions
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -30,6 +35,29 @@ class AttentionMetadata:
     context_lens: list[int]  # per sequence: cached tokens after this step (incl. new ones)
     block_size: int
     _seq_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _decode_plan: DecodePlan | None = field(default=None, repr=False)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """What batched decode attention needs, computed once per step for every layer; None
+        when fewer than two sequences decode."""
+        if self._decode_plan is None:
+            seqs = [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+            if len(seqs) < 2:
+                return None
+            bs = self.block_size
+            ctxs = [self.context_lens[i] for i in seqs]
+            width = (max(ctxs) + bs - 1) // bs
+            dev = self.block_tables.device
+            starts = [0]
+            for qlen in self.query_lens:
+                starts.append(starts[-1] + qlen)
+            blocks = self.block_tables[torch.tensor(seqs, device=dev), :width]  # [B, width]
+            lens = torch.tensor(ctxs, device=dev)
+            mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]
+            self._decode_plan = DecodePlan(
+                seqs, torch.tensor([starts[i] for i in seqs], device=dev),
+                blocks.flatten(), width * bs, mask[:, None, None, :])
+        return self._decode_plan
 
     def seq_slots(self, i: int) -> torch.Tensor:
         """Pool slots of sequence i's cached positions 0..context_len-1: [context_len] int64.
@@ -89,19 +117,16 @@ class TorchPagedAttention:
         if len(meta.query_lens) == 1:  # one sequence: no bookkeeping, no copy of the output
             return self._one(q, k, v, cache, meta, 0, scale)
         out = torch.empty_like(q)
-        starts = [0]
-        for qlen in meta.query_lens:
-            starts.append(starts[-1] + qlen)
-        decodes = [i for i, qlen in enumerate(meta.query_lens) if qlen == 1]
-        if len(decodes) > 1:
-            self._decode_batch(q, out, cache, meta, scale, decodes, starts)
-            done = set(decodes)
-        else:
-            done = set()
-        for i in range(len(meta.query_lens)):
+        plan = meta.decode_plan()
+        done = set(plan.seqs) if plan is not None else set()
+        if plan is not None:
+            self._decode_batch(q, out, cache, plan, scale)
+        start = 0
+        for i, qlen in enumerate(meta.query_lens):
             if i not in done:
-                s, e = starts[i], starts[i + 1]
+                s, e = start, start + qlen
                 out[s:e] = self._one(q[s:e], k[s:e], v[s:e], cache, meta, i, scale)
+            start += qlen
         return out
 
     @staticmethod
@@ -136,25 +161,19 @@ class TorchPagedAttention:
         return o[0].transpose(0, 1)
 
     @staticmethod
-    def _decode_batch(q: torch.Tensor, out: torch.Tensor, cache: KVCache,
-                      meta: AttentionMetadata, scale: float, seqs: list[int],
-                      starts: list[int]) -> None:
+    def _decode_batch(q: torch.Tensor, out: torch.Tensor, cache: KVCache, plan: DecodePlan,
+                      scale: float) -> None:
         n_heads, n_kv, hd = q.shape[1], cache.k.shape[2], cache.k.shape[3]
-        bs = meta.block_size
-        ctxs = [meta.context_lens[i] for i in seqs]
-        width = (max(ctxs) + bs - 1) // bs
-        idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
-        tables = meta.block_tables[idx, :width]  # [B, width]
-        b = len(seqs)
-        kt = cache.k[tables].view(b, width * bs, n_kv, hd).transpose(1, 2)
-        vt = cache.v[tables].view(b, width * bs, n_kv, hd).transpose(1, 2)
-        # kt, vt: [B, n_kv_heads, width * block_size, head_dim] in the pool's dtype
-        lens = torch.tensor(ctxs, device=q.device)
-        mask = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
-        rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
+        b = len(plan.seqs)
+        # index_select copies whole blocks (advanced indexing went element by element: 5x
+        # slower, and most of a batched step at fp32)
+        kt = cache.k.index_select(0, plan.blocks).view(b, plan.padded_len, n_kv, hd)
+        vt = cache.v.index_select(0, plan.blocks).view(b, plan.padded_len, n_kv, hd)
+        # kt, vt: [B, padded_len, n_kv_heads, head_dim] in the pool's dtype
         # the query heads sharing a KV head act as its queries (GQA without expanding K/V)
-        qb = q[rows].view(b, n_kv, n_heads // n_kv, hd)  # [B, n_kv_heads, group, head_dim]
+        qb = q[plan.rows].view(b, n_kv, n_heads // n_kv, hd)  # [B, n_kv_heads, group, head_dim]
         o = F.scaled_dot_product_attention(
-            qb.to(kt.dtype), kt, vt, attn_mask=mask[:, None, None, :], scale=scale,
+            qb.to(kt.dtype), kt.transpose(1, 2), vt.transpose(1, 2), attn_mask=plan.mask,
+            scale=scale,
         )  # [B, n_kv_heads, group, head_dim]
-        out[rows] = o.reshape(b, n_heads, hd).to(out.dtype)
+        out[plan.rows] = o.reshape(b, n_heads, hd).to(out.dtype)
