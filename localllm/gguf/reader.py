@@ -164,6 +164,7 @@ class GGUFFile:
         data_start = -(-cur.pos // align) * align
         size = len(self._map)
         self._tensors: dict[str, TensorInfo] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # name -> (first byte, end) in the file
         for name, dims, qtype, offset in raw:
             shape = tuple(reversed(dims))  # GGUF lists the fastest-varying dimension first
             n = int(np.prod(shape)) if shape else 1
@@ -186,6 +187,17 @@ class GGUFFile:
             arr = np.frombuffer(self._map, dtype=dtype, count=nbytes // dtype.itemsize,
                                 offset=start).reshape(view_shape)
             self._tensors[name] = TensorInfo(name, qtype, shape, arr)
+            self._spans[name] = (start, start + nbytes)
+
+    def release(self, info: TensorInfo) -> None:
+        """Drop the file pages of a tensor that has been copied out from this process's
+        resident memory (they stay in the page cache; touching them again reads them back).
+        Loading calls it after each tensor, so the mapped file never counts whole."""
+        start, end = self._spans[info.name]
+        page = mmap.PAGESIZE
+        start, end = start // page * page, -(-end // page) * page
+        if hasattr(self._map, "madvise") and end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._map)) - start)
 
     @property
     def tensors(self) -> Mapping[str, TensorInfo]:

@@ -30,7 +30,7 @@ from localllm.errors import ModelLoadError
 from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
 from localllm.hf.weights import SafetensorsFolder
 from localllm.layers.linear import Linear, quantized_cpu_supported
-from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, release_freed_memory
+from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, load_time_allocation
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.quantize import QUANTIZE_MODES, quantize
@@ -132,6 +132,12 @@ def _load_linear(module: Linear, param: torch.Tensor, w: torch.Tensor,
 def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
             progress: ProgressFn | None = None, quantize: str | None = None) -> LoadedModel:
     """Load a Hugging Face checkpoint folder (see the module docstring)."""
+    with load_time_allocation():
+        return _load_hf(path, dtype, progress, quantize)
+
+
+def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: ProgressFn | None,
+             quantize: str | None) -> LoadedModel:
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     folder = Path(path)
@@ -175,5 +181,4 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
         fingerprint = _fingerprint(folder, st.files, quantize)
     model.fuse_projections()
     model.eval()
-    release_freed_memory()
     return LoadedModel(model, tokenizer, cfg, folder, fingerprint)

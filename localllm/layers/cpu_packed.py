@@ -102,10 +102,11 @@ class CpuPackedWeight:
             zeros = torch.cat((zeros, zeros.new_zeros(pad, zeros.shape[1])))
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
-        packed = torch.cat([
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                _codes(w, r, min(r + PACK_ROWS, out + pad)).to(torch.int32), 1)
-            for r in range(0, out + pad, PACK_ROWS)])
+        packed = torch.empty(out + pad, planes * w.in_features // 2, dtype=torch.uint8)
+        for r in range(0, out + pad, PACK_ROWS):
+            end = min(r + PACK_ROWS, out + pad)
+            packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                _codes(w, r, end).to(torch.int32), 1)
         sz = torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
         exact = (w.scales, w.offsets) if exact_rows else None
         return cls(packed, sz, out, w.in_features, planes, exact)

@@ -17,9 +17,15 @@ from localllm.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies [rope_dim/2] in fp32, scaling applied."""
+    """Per-pair inverse frequencies [rope_dim/2] in fp32, scaling applied.
+
+    Always computed on the CPU (a few numbers): even inside `torch.device("meta")`, where the
+    loader builds a model to read its shapes and meta math would import PyTorch's Python
+    decompositions (about 75 MB resident)."""
     dim = cfg.rope_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    cpu = torch.device("cpu")
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=cpu)
+                                    / dim))
     sc = cfg.rope_scaling
     if sc.kind == "linear":
         inv = inv / sc.factor
@@ -39,7 +45,8 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
             return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
         low = max(math.floor(corr_dim(32.0)), 0)
         high = min(math.ceil(corr_dim(1.0)), dim - 1)
-        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64, device=cpu) - low) / max(
+            high - low, 1e-3)
         extrap = 1 - ramp.clamp(0, 1)
         inv = inv / sc.factor * (1 - extrap) + inv * extrap
     if freq_factors is not None:  # Llama-3 GGUF files carry `rope_freqs.weight` divisors
@@ -62,9 +69,9 @@ class RotaryEmbedding(nn.Module):
         self.mscale = yarn_attention_factor(cfg)
         self.max_positions = cfg.context_length
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
-        self._rot = torch.empty(0, dtype=torch.complex64)
+        self._cos = torch.empty(0, device="cpu")
+        self._sin = torch.empty(0, device="cpu")
+        self._rot = torch.empty(0, dtype=torch.complex64, device="cpu")
         self._last_positions: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (self._rot,) * 3
 
