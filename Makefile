@@ -18,6 +18,9 @@ $(PY):
 $(VENV)/.setup: pyproject.toml | $(PY)
 	$(PIP) $(TORCH)
 	$(PIP) -e .
+	@# compile the native CPU kernels now rather than on the first run (skipped where the CPU
+	@# or the compiler cannot: PyTorch ops serve instead)
+	$(PY) -c "from localllm.kernels import cpu_native; print('native CPU kernels:', 'built' if cpu_native.available() else 'not available, using PyTorch ops')"
 	touch $@
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup

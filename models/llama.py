@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from localllm.config import ModelConfig
-from localllm.layers.activation import silu_and_mul
+from localllm.kernels import cpu_native
+from localllm.layers.activation import silu_and_mul, silu_and_mul_fused
 from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from localllm.layers.fused_decode import FusedDecode
 from localllm.layers.linear import Linear, fuse_linears
 from localllm.layers.norm import RMSNorm
 from localllm.layers.rope import RotaryEmbedding
@@ -47,9 +49,13 @@ class Attention(nn.Module):
         nh, nkv = self.n_heads, self.n_kv
         if self.qkv_proj is not None and self.q_norm is None:
             # q and k heads sit side by side in the fused output: one rotation for both
-            qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.hd)
-            qk = self.rope.rotate(positions, qkv[:, :nh + nkv])
-            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+            flat = self.qkv_proj(x)  # [t, (n_heads + 2 * n_kv) * head_dim]
+            qkv = flat.view(t, nh + 2 * nkv, self.hd)
+            if self.rope.rotate_heads_(positions, flat, nh + nkv, self.hd):
+                q, k, v = qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
+            else:
+                qk = self.rope.rotate(positions, qkv[:, :nh + nkv])
+                q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         else:
             if self.qkv_proj is not None:
                 qf, kf, vf = self.qkv_proj(x).split((nh * self.hd, nkv * self.hd,
@@ -81,10 +87,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up))
+            return self.down_proj(silu_and_mul_fused(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -95,10 +99,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: this layer's input [num_tokens, hidden]: the embeddings (residual None) or the
+        # previous layer's MLP output, still to be added into the residual stream.
+        # Returns (MLP output, residual stream); the stream may be updated in place.
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype))
+        self._fused_decode = FusedDecode()
 
     def fuse_projections(self) -> None:
         """After loading: stack the projections that read the same input (see `fuse`)."""
@@ -159,10 +173,16 @@ class LlamaForCausalLM(nn.Module):
                 caches: list[KVCache], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
+        fused = self._fused_decode(self, input_ids, positions, caches, meta, backend)
+        if fused is not None:  # a decode-only step, all layers in one native call
+            return fused
         x = self.embed_tokens.embed(input_ids)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cache, meta, backend)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,7 +193,11 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
         # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
-        top = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=-1).indices  # [seqs, k]
+        k = min(REFINE_TOP, logits.shape[1])
+        if logits.device.type == "cpu" and cpu_native.available():
+            top = cpu_native.top_k(logits, k)  # [seqs, k]; 10x faster than torch.topk here
+        else:
+            top = logits.topk(k, dim=-1).indices
         rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
         if self.lm_head.bias is not None:

@@ -39,3 +39,17 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["native", "pytorch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test through the native CPU kernels and again through PyTorch ops alone (the
+    path of machines without AVX-512 BF16 or a compiler)."""
+    from localllm.kernels import cpu_native
+
+    if request.param == "native":
+        if not cpu_native.available():
+            pytest.skip("native CPU kernels are not available here (AVX-512 BF16 + compiler)")
+    else:
+        monkeypatch.setattr(cpu_native, "_library", lambda: None)
+    return str(request.param)

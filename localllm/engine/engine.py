@@ -14,7 +14,7 @@ from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineSnapshot, EngineStats, engine_snapshot
 from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from localllm.engine.request import FinishReason, Request, RequestStatus
-from localllm.engine.sampler import Sampler
+from localllm.engine.sampler import Sampler, argmax_rows
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from localllm.errors import RequestError
 from localllm.loader import LoadedModel
@@ -167,7 +167,8 @@ class LLMEngine:
         if logits.shape[-1] > self.tokenizer.vocab_size:
             # embeddings padded past the tokenizer: those ids have no text, never sample them
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
-        if not torch.isfinite(logits).any(-1).all():
+        # each row's best logit must be finite (a full isfinite pass costs 0.4 ms a step)
+        if not torch.isfinite(logits.gather(1, argmax_rows(logits)[:, None])).all():
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens)}

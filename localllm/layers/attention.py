@@ -6,7 +6,8 @@ new token t is written. The queries of a sequence are its last `query_len` posit
 query at index i may attend to cached positions j <= context_len - query_len + i.
 
 `AttentionBackend` is the interface the Triton kernels of the GPU backend plug in behind; the
-CPU backend below is plain PyTorch.
+CPU backend below is PyTorch, with native kernels (`kernels/cpu_native.py`) for the K/V store
+and decode attention when they are available.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from localllm.kernels import cpu_native
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,14 @@ class DecodePlan:
     mask: torch.Tensor  # [B, 1, 1, padded_len] True at each sequence's cached positions
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    rows: torch.Tensor | None  # [B] the query rows of the decoding sequences; None: all rows
+    seqs: list[int]  # their sequence numbers
+    block_tables: torch.Tensor  # [B, width] int64, contiguous
+    context_lens: torch.Tensor  # [B] int64
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -36,6 +47,28 @@ class AttentionMetadata:
     block_size: int
     _seq_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _decode_plan: DecodePlan | None = field(default=None, repr=False)
+    _decode_batch: DecodeBatch | None = field(default=None, repr=False)
+
+    def decode_batch(self) -> DecodeBatch | None:
+        """The sequences with one query token (any number), as the native decode kernel takes
+        them; computed once per step for every layer. None when no sequence decodes."""
+        if self._decode_batch is None:
+            seqs = [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+            if not seqs:
+                return None
+            dev = self.block_tables.device
+            if len(seqs) == len(self.query_lens):
+                rows, tables = None, self.block_tables.contiguous()
+            else:
+                starts = [0]
+                for qlen in self.query_lens:
+                    starts.append(starts[-1] + qlen)
+                rows = torch.tensor([starts[i] for i in seqs], device=dev)
+                tables = self.block_tables[torch.tensor(seqs, device=dev)].contiguous()
+            ctxs = torch.tensor([self.context_lens[i] for i in seqs], dtype=torch.long,
+                                device=dev)
+            self._decode_batch = DecodeBatch(rows, seqs, tables, ctxs)
+        return self._decode_batch
 
     def decode_plan(self) -> DecodePlan | None:
         """What batched decode attention needs, computed once per step for every layer; None
@@ -98,8 +131,19 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
     return k_pos <= q_pos
 
 
+def _native(q: torch.Tensor, cache: KVCache) -> bool:
+    """Whether this layer's K/V store and decode attention take the native kernels."""
+    return (q.dtype == cache.k.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and cache.k.is_contiguous() and cache.v.is_contiguous()
+            and cpu_native.decode_attention_supported(q.shape[1], cache.k.shape[2], q.shape[2])
+            and cpu_native.available())
+
+
 class TorchPagedAttention:
-    """CPU (and fallback) backend in plain PyTorch.
+    """CPU (and fallback) backend in PyTorch.
+
+    With the native kernels (bf16), the K/V store is one call and every decoding sequence of
+    the step is attended by one `decode_attention` call. Otherwise, or for prompts and chunks:
 
     - A prompt with nothing cached attends over its own new K/V (one causal SDPA call).
     - A chunk after cached context gathers the sequence's K/V slots (one `index_select` per
@@ -113,14 +157,32 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim]
-        store_kv(cache, k, v, meta.slot_mapping)
-        if len(meta.query_lens) == 1:  # one sequence: no bookkeeping, no copy of the output
+        native = _native(q, cache)
+        if native:
+            cpu_native.kv_store(k.flatten(1), v.flatten(1), meta.slot_mapping, cache.k, cache.v)
+        else:
+            store_kv(cache, k, v, meta.slot_mapping)
+        out: torch.Tensor | None = None
+        done: set[int] = set()
+        batch = meta.decode_batch() if native else None
+        if batch is not None:
+            if batch.rows is None:  # every sequence decodes: one call, no copies
+                return cpu_native.decode_attention(q, cache.k, cache.v, batch.block_tables,
+                                                   batch.context_lens, scale)
+            out = torch.empty_like(q)
+            out[batch.rows] = cpu_native.decode_attention(
+                q[batch.rows], cache.k, cache.v, batch.block_tables, batch.context_lens, scale)
+            done = set(batch.seqs)
+        elif len(meta.query_lens) == 1:  # one sequence: no bookkeeping, no copy of the output
             return self._one(q, k, v, cache, meta, 0, scale)
-        out = torch.empty_like(q)
-        plan = meta.decode_plan()
-        done = set(plan.seqs) if plan is not None else set()
-        if plan is not None:
-            self._decode_batch(q, out, cache, plan, scale)
+        else:
+            plan = meta.decode_plan()
+            if plan is not None:
+                out = torch.empty_like(q)
+                self._decode_batch(q, out, cache, plan, scale)
+                done = set(plan.seqs)
+        if out is None:
+            out = torch.empty_like(q)
         start = 0
         for i, qlen in enumerate(meta.query_lens):
             if i not in done:

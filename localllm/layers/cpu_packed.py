@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from localllm.kernels import cpu_native
 from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
 TILE = 64  # rows per tile of the packed layout
@@ -133,6 +134,9 @@ class CpuPackedWeight:
         # x: [rows, in] bf16 -> [rows, out]
         if x.shape[0] > self.max_kernel_rows:
             return x @ self.dense_t()
+        if cpu_native.available():
+            return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
+                                      self.planes)
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
                                                         self.scales_zeros)

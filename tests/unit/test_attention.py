@@ -25,19 +25,21 @@ def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     [(12, 1), (4, 5)],  # a lone decode beside a chunk
     [(0, 1)],  # a one-token prompt
 ])
-def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype: torch.dtype,
+                                             cpu_path: str) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 64
-    cache = KVCache(torch.zeros(num_blocks, bs, kv_heads, dim),
-                    torch.zeros(num_blocks, bs, kv_heads, dim))
+    cache = KVCache(torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype),
+                    torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype))
     # seqs: (cached tokens before this step, new tokens this step) per sequence
     perm = torch.randperm(num_blocks).tolist()
     tables, full_k, full_v = [], [], []
     for cached, new in seqs:
         nb = -(-(cached + new) // bs)
         tables.append([perm.pop() for _ in range(nb)])
-        full_k.append(torch.randn(cached + new, kv_heads, dim))
-        full_v.append(torch.randn(cached + new, kv_heads, dim))
+        full_k.append(torch.randn(cached + new, kv_heads, dim).to(dtype))
+        full_v.append(torch.randn(cached + new, kv_heads, dim).to(dtype))
     # write the already-cached part straight into the pool
     for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v):
         for p in range(cached):
@@ -51,12 +53,13 @@ def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]]) -> Non
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         query_lens=[n for _, n in seqs], context_lens=[c + n for c, n in seqs], block_size=bs,
     )
-    q = torch.randn(sum(n for _, n in seqs), heads, dim)
+    q = torch.randn(sum(n for _, n in seqs), heads, dim).to(dtype)
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
     out = TorchPagedAttention().forward(q, k_new, v_new, cache, meta, scale=dim ** -0.5)
     start = 0
     for (_, new), k, v in zip(seqs, full_k, full_v):
-        ref = dense_ref(q[start:start + new], k, v, dim ** -0.5)
-        torch.testing.assert_close(out[start:start + new], ref, rtol=1e-5, atol=1e-5)
+        ref = dense_ref(q[start:start + new].float(), k.float(), v.float(), dim ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs and output
+        torch.testing.assert_close(out[start:start + new].float(), ref, rtol=tol, atol=tol)
         start += new

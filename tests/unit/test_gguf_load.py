@@ -215,6 +215,21 @@ def test_bf16_logits_of_the_best_tokens_are_exact(tmp_path: Path, tied: bool) ->
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
+def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path: str) -> None:
+    # the fast path (packed weights, bf16; on machines with the native kernels, one call per
+    # decode step) against fp32 math on the same weights, for a prompt and for decode steps
+    spec = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, qtype=qtype)
+    written = write_model(tmp_path / "m.gguf", spec)
+    ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
+    model = load_gguf(written.path, torch.bfloat16).model
+    assert model.layers[0].self_attn.qkv_proj.quantized
+    scale = float(ref.abs().max())
+    for chunk in (0, 1):
+        got = prompt_logits(model, PROMPT * 4, chunk=chunk)
+        assert float((got - ref).abs().max()) <= 0.03 * scale
+
+
 def test_untied_output_is_its_own_tensor(good: WrittenModel) -> None:
     m = load(good.path).model
     assert m.lm_head.weight.data_ptr() != m.embed_tokens.weight.data_ptr()

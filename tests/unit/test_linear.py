@@ -47,7 +47,8 @@ def bf16_rounded_error(ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("out", [96, 128])  # 96: rows padded to the kernel's tiles of 64
 @pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS // 2 + 1, KERNEL_MAX_ROWS + 1, 200])
-def test_quantized_linear_matches_reference(kind: str, out: int, rows: int) -> None:
+def test_quantized_linear_matches_reference(kind: str, out: int, rows: int,
+                                           cpu_path: str) -> None:
     w = WEIGHTS[kind](out)
     lin = Linear(128, out, bias=True, dtype=torch.bfloat16)
     lin.bias.data.normal_()  # type: ignore[union-attr]
@@ -77,7 +78,7 @@ def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
-def test_a_row_gets_the_same_result_alone_or_batched(kind: str) -> None:
+def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -> None:
     # decode results must not depend on how many requests share the step
     w = WEIGHTS[kind](128)
     lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)

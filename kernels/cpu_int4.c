@@ -1,0 +1,181 @@
+/* Int4 weight-only matmul for a few rows (decode), on PyTorch's packed int4 CPU layout.
+ *
+ * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / 32, n] + z[k / 32, n]),  k < planes * K
+ *
+ * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
+ * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
+ * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
+ * high nibble. `sz` is bf16 [K2 / 32][n_pad][2]: (scale, zero) of each group and row.
+ * With two planes (grouped int8 split as q = 16 h + l), plane p reads x[k - p K].
+ *
+ * How it computes (AVX-512 BF16): one 64-byte load holds columns k and k+1 of a 64-row tile.
+ * Each nibble c becomes the bf16 number 128 + c (bits 0x4300 | c: exact), laid out as (k, k+1)
+ * pairs per row, so that `vdpbf16ps` adds x[k] (128 + c[n,k]) + x[k+1] (128 + c[n,k+1]) into
+ * one fp32 lane per row. Per group of 32 columns, with a = that sum and sx = sum of x:
+ *     sum_k x (c - 8) s + z x  =  s a + (z - 136 s) sx
+ * Products of bf16 numbers are exact in fp32; sums are fp32. Rows are split across OpenMP
+ * threads by tiles; this library links the libgomp that PyTorch already loaded (same soname),
+ * so it shares PyTorch's thread team and thread count.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TILE 64
+#define GROUP 32
+#define PREFETCH_GROUPS 4
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* weight bytes read ahead of use: the tile stream comes from DRAM */
+#endif
+
+/* bytes 4i and 4i+2 of every 32-bit lane come from the nibbles; 4i+1 and 4i+3 are zero */
+#define PAIR_MASK 0x5555555555555555ULL
+
+/* vpermb indices: 32-bit lane i of the result takes bytes (f + i, 32 + f + i) of the source,
+ * f = 0 (rows 0-15 of a nibble plane) or 16 (rows 16-31) */
+#define PAIR(f, i) (f) + (i), 0, 32 + (f) + (i), 0
+#define PAIRS(f) PAIR(f, 0), PAIR(f, 1), PAIR(f, 2), PAIR(f, 3), PAIR(f, 4), PAIR(f, 5), \
+    PAIR(f, 6), PAIR(f, 7), PAIR(f, 8), PAIR(f, 9), PAIR(f, 10), PAIR(f, 11), PAIR(f, 12), \
+    PAIR(f, 13), PAIR(f, 14), PAIR(f, 15)
+static const uint8_t PAIR_INDEX[2][64] __attribute__((aligned(64))) = {{PAIRS(0)}, {PAIRS(16)}};
+
+/* Columns k, k+1 of a 64-row tile (64 bytes) -> four vectors of (k, k+1) bf16 pairs, 128 + c,
+ * for rows 0-15, 16-31, 32-47, 48-63. */
+static inline __attribute__((always_inline)) void unpack_pairs(__m512i b, __m512i w[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i bias = _mm512_set1_epi32(0x43004300); /* bf16 128 = 0x4300 */
+    const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
+    const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
+    const __m512i lo = _mm512_and_si512(b, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    /* merge masking: the high byte of each bf16 comes from `bias` (0x43), the low one is c */
+    w[0] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_a, lo);
+    w[1] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, lo);
+    w[2] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_a, hi);
+    w[3] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, hi);
+}
+
+/* NT consecutive 64-row tiles for MR rows of x (NT * MR <= 2: 16 accumulators and 16 sums
+ * fit the 32 vector registers). out[(i * MR + m) * 64 + row] gets tile i's rows for x row m,
+ * in fp32. Every (tile, row) pair is summed in the same order whatever NT and MR are, so a row
+ * of x gets the same result alone or in a batch. */
+static inline __attribute__((always_inline)) void tiles_rows(
+    const uint8_t *tile, int64_t tile_bytes, const uint16_t *sz, int64_t sz_group_stride,
+    const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
+    const int NT, const int MR) {
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+    __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
+    for (int i = 0; i < NT; i++)
+        for (int m = 0; m < MR; m++)
+            for (int r = 0; r < 4; r++) y[i][m][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + PREFETCH_GROUPS < groups) {
+            for (int i = 0; i < NT; i++) {
+                const char *ps = (const char *)(sz + (g + PREFETCH_GROUPS) * sz_group_stride
+                                                + i * TILE * 2);
+                for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+            }
+        }
+        __m512 a[2][2][4];
+        for (int i = 0; i < NT; i++)
+            for (int m = 0; m < MR; m++)
+                for (int r = 0; r < 4; r++) a[i][m][r] = _mm512_setzero_ps();
+        const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0); /* plane 1 reads x again */
+        for (int kp = 0; kp < GROUP / 2; kp++) {
+            int32_t pair[2];
+            for (int m = 0; m < MR; m++) __builtin_memcpy(&pair[m], x + m * ldx + kx + 2 * kp, 4);
+            for (int i = 0; i < NT; i++) {
+                const uint8_t *p = tile + i * tile_bytes + (g * GROUP + 2 * kp) * 32;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i w[4];
+                unpack_pairs(_mm512_loadu_si512(p), w);
+                for (int m = 0; m < MR; m++) {
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
+                    for (int r = 0; r < 4; r++)
+                        a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)w[r], xb);
+                }
+            }
+        }
+        for (int i = 0; i < NT; i++) {
+            const uint16_t *s = sz + g * sz_group_stride + i * TILE * 2;
+            for (int r = 0; r < 4; r++) {
+                /* 32-bit lane j: scale of row 16r + j in its low half, zero in its high half */
+                const __m512i v = _mm512_loadu_si512(s + 32 * r);
+                const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+                const __m512 zz = _mm512_fnmadd_ps(sc, c136, zr); /* z - 136 s */
+                for (int m = 0; m < MR; m++) {
+                    y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
+                    y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
+                                                 y[i][m][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int m = 0; m < MR; m++)
+            for (int r = 0; r < 4; r++)
+                _mm512_storeu_ps(out + (i * MR + m) * TILE + 16 * r, y[i][m][r]);
+}
+
+static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
+    /* round to nearest even, as PyTorch's float -> bfloat16 conversion */
+    const __mmask16 mask = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src));
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)v);
+}
+
+/* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written). Returns 0, or -1 if out of memory. */
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy) {
+    const int64_t K2 = planes * K, groups = K2 / GROUP, tiles = n_pad / TILE;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = x + m * ldx + (g * GROUP) % K;
+            float acc = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                uint32_t bits = (uint32_t)xg[i] << 16;
+                float f;
+                __builtin_memcpy(&f, &bits, 4);
+                acc += f;
+            }
+            xsum[m * groups + g] = acc;
+        }
+    const int64_t tile_bytes = K2 * 32;
+    /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
+     * more rows: one tile at a time, rows two at a time */
+    const int64_t step = M == 1 ? 2 : 1, units = (tiles + step - 1) / step;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        float out[2 * TILE];
+        const int64_t t = u * step, nt = tiles - t < step ? tiles - t : step;
+        const uint8_t *tile = packed + t * tile_bytes;
+        const uint16_t *s = sz + t * TILE * 2;
+        for (int64_t m = 0; m < M;) {
+            const int64_t mr = M - m >= 2 ? 2 : 1;
+            const uint16_t *xm = x + m * ldx;
+            const float *xs = xsum + m * groups;
+            if (nt == 2)
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1);
+            else if (mr == 2)
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2);
+            else
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1);
+            /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t j = 0; j < mr; j++)
+                    for (int64_t r = 0; r < rows; r += 16)
+                        store_bf16(out + (i * mr + j) * TILE + r, y + (m + j) * ldy + n0 + r,
+                                   rows - r);
+            }
+            m += mr;
+        }
+    }
+    free(xsum);
+    return 0;
+}

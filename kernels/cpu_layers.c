@@ -1,0 +1,101 @@
+/* A whole decode step of a Llama-family decoder stack in one call (bf16, packed int4 weights).
+ *
+ * At batch 1 a layer is ten small calls; from Python each costs microseconds of dispatch,
+ * which added up to a third of a decode step. `decode_layers` runs every layer of a step for
+ * M sequences with one query token each, calling the same functions as the per-op path
+ * (int4_mm, rms_norm, rope, kv_store, decode_attention, silu_mul), in the same order and
+ * with the same rounding, so a token's result does not depend on which path computed it.
+ *
+ * Per layer, with x the layer input and r the residual stream ([M][hidden] bf16):
+ *   h = norm1(x + r) (first layer: h = norm1(x), r = x)   qkv = h Wqkv^T   rope(q, k)
+ *   store k, v at the step's slots                         a = attention(q, cached K/V)
+ *   h = norm2(a Wo^T + r)                                  x = silu(h Wg^T) * (h Wu^T) Wd^T
+ * and after the last layer: out = norm(x + r).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy);
+void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
+              int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
+void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out);
+int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
+         int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
+         const int64_t *pos, int neox);
+int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
+             const int64_t *slots, int64_t tokens, int64_t row, uint16_t *kpool,
+             uint16_t *vpool, int64_t n_slots);
+int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
+                     const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
+                     int64_t width, const int64_t *ctx, int64_t B, int64_t n_heads, int64_t n_kv,
+                     int64_t hd, int64_t block_size, float scale, uint16_t *out, int64_t ldo);
+
+typedef struct {
+    const uint8_t *packed; /* the int4 kernel's layout (cpu_int4.c) */
+    const uint16_t *sz;
+    int64_t out_features, out_padded, planes;
+} PackedWeight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
+    PackedWeight qkv, o, gate_up, down;
+    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][n_kv][head_dim] */
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv, head_dim, rot_dim, neox, intermediate, block_size, n_blocks;
+    float eps, scale;
+} DecoderDims;
+
+static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
+    /* int4_mm fails only when out of memory */
+    return int4_mm(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded, w->planes, y,
+                   w->out_features) ? -2 : 0;
+}
+
+/* x: bf16 [M][hidden], the step's embeddings; overwritten with the final normalized hidden
+ * states. Returns 0; -1 on a bad position, slot, block or context length (reported by the
+ * step that found it; earlier layers' K/V are then already stored); -2 out of memory. */
+int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
+                  const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
+                  const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
+                  const float *cos_t, const float *sin_t, int64_t table_rows) {
+    const int64_t H = d->hidden, hd = d->head_dim, nh = d->n_heads, nkv = d->n_kv;
+    const int64_t qkv_w = (nh + 2 * nkv) * hd, inter = d->intermediate;
+    const size_t per_row = (size_t)(3 * H + qkv_w + nh * hd + 3 * inter);
+    if (n_layers < 1) return -1;
+    uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
+    if (!buf) return -2;
+    uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
+    uint16_t *att = qkv + M * qkv_w, *gu = att + M * nh * hd, *act = gu + M * 2 * inter;
+    int rc = 0;
+    memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
+    for (int64_t l = 0; l < n_layers && !rc; l++) {
+        const DecoderLayer *L = &layers[l];
+        if (l == 0)
+            rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
+        else
+            rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
+        if ((rc = matmul(&L->qkv, h, M, H, qkv))) break;
+        if ((rc = rope(qkv, M, qkv_w, nh + nkv, hd, d->rot_dim, cos_t, sin_t, table_rows, pos,
+                       (int)d->neox)))
+            break;
+        if ((rc = kv_store(qkv + nh * hd, qkv_w, qkv + (nh + nkv) * hd, qkv_w, slots, M,
+                           nkv * hd, L->k_pool, L->v_pool, d->n_blocks * d->block_size)))
+            break;
+        if ((rc = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
+                                   ctx, M, nh, nkv, hd, d->block_size, d->scale, att, nh * hd)))
+            break;
+        if ((rc = matmul(&L->o, att, M, nh * hd, y))) break;
+        rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
+        if ((rc = matmul(&L->gate_up, h, M, H, gu))) break;
+        silu_mul(gu, 2 * inter, M, inter, act);
+        rc = matmul(&L->down, act, M, inter, y);
+    }
+    if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
+    free(buf);
+    return rc;
+}

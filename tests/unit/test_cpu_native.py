@@ -1,0 +1,193 @@
+"""Native CPU kernels (kernels/cpu_*.c) against their plain-PyTorch references, and the fused
+decode path of a model against its per-op path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf_factory import ModelSpec, write_model
+
+from localllm.engine.model_runner import prompt_logits
+from localllm.kernels import cpu_native as cn
+from localllm.layers.cpu_packed import CpuPackedWeight
+from localllm.layers.fused_decode import build_stack
+from localllm.loader import load_gguf
+
+pytestmark = pytest.mark.skipif(
+    not cn.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) and a C "
+    "compiler; this machine runs the PyTorch path, which the other tests cover")
+
+
+def bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # one bf16 rounding apart at most
+    torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-6)
+
+
+def packed(out: int, inp: int, planes: int, seed: int = 0) -> CpuPackedWeight:
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_linear import random_int4, random_int8
+
+    make = random_int4 if planes == 1 else random_int8
+    return CpuPackedWeight.from_weight(make(out, inp, offsets=True, seed=seed), torch.bfloat16)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("out", [64, 96, 200])  # 96, 200: the last tile is padded
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_int4_mm_matches_reference(planes: int, out: int, rows: int) -> None:
+    w = packed(out, 256, planes)
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    y = cn.int4_mm(x, w.packed, w.scales_zeros, out, planes)
+    assert y.shape == (rows, out) and y.dtype == torch.bfloat16
+    bf16_close(y, cn.int4_mm_ref(x, w.packed, w.scales_zeros, out, planes))
+
+
+def test_int4_mm_row_results_do_not_depend_on_the_batch() -> None:
+    w = packed(320, 128, 1)  # 5 tiles: one of them unpaired at batch 1
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    batched = cn.int4_mm(x, w.packed, w.scales_zeros, 320, 1)
+    for i in range(7):
+        alone = cn.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)
+        assert torch.equal(alone[0], batched[i])
+
+
+def test_int4_mm_refuses_mismatched_operands() -> None:
+    w = packed(64, 128, 1)
+    with pytest.raises(ValueError, match="int4_mm: bad operands"):
+        cn.int4_mm(torch.zeros(1, 96, dtype=torch.bfloat16), w.packed, w.scales_zeros, 64, 1)
+    with pytest.raises(ValueError, match="int4_mm: bad operands"):
+        cn.int4_mm(torch.zeros(1, 128), w.packed, w.scales_zeros, 64, 1)  # fp32 input
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: the parallel branch
+@pytest.mark.parametrize("dim", [576, 100])  # 100: a partial vector at the end of a row
+def test_rms_norm_with_and_without_residual(rows: int, dim: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, dim, generator=g) * 4).bfloat16()
+    w = torch.randn(dim, generator=g).bfloat16()
+    bf16_close(cn.rms_norm(x, w, 1e-5), cn.rms_norm_ref(x, w, 1e-5))
+    r0 = torch.randn(rows, dim, generator=g).bfloat16()
+    ra, rb = r0.clone(), r0.clone()
+    bf16_close(cn.rms_norm(x, w, 1e-5, ra), cn.rms_norm_ref(x, w, 1e-5, rb))
+    assert torch.equal(ra, rb)  # the residual stream: one bf16 add, exactly
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul(rows: int) -> None:
+    gu = (torch.randn(rows, 2 * 1000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    out = cn.silu_mul(gu)
+    assert out.shape == (rows, 1000)
+    bf16_close(out, cn.silu_mul_ref(gu))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rot_dim", [64, 32])  # 32: partial rotary, the rest passes through
+def test_rope_in_place(neox: bool, rot_dim: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 12 * 64 + 64, generator=g).bfloat16()  # 12 rotated heads, then others
+    pos = torch.tensor([0, 7, 99])
+    ang = torch.arange(100).float()[:, None] * torch.rand(rot_dim // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    got = cn.rope_(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
+    want = cn.rope_ref(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
+    bf16_close(got, want)
+    assert torch.equal(got[:, 12 * 64:], x[:, 12 * 64:])
+    with pytest.raises(ValueError, match="outside the cos/sin tables"):
+        cn.rope_(x.clone(), 12, 64, rot_dim, cos, sin, torch.tensor([0, 1, 100]), neox)
+
+
+def test_kv_store_and_bad_slots() -> None:
+    pools = [torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16) for _ in range(4)]
+    k, v = torch.randn(2, 3, 64).bfloat16().unbind(0)
+    slots = torch.tensor([5, 63, 17])
+    cn.kv_store(k, v, slots, pools[0], pools[1])
+    cn.kv_store_ref(k, v, slots, pools[2], pools[3])
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(ValueError, match="outside the pool"):
+        cn.kv_store(k, v, torch.tensor([5, 64, 0]), pools[0], pools[1])
+    assert torch.equal(pools[0], pools[2])  # nothing written
+
+
+@pytest.mark.parametrize("ctxs", [[1], [300], [16, 17, 1, 129]])
+@pytest.mark.parametrize("n_heads, n_kv", [(9, 3), (4, 4)])
+def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    kp = torch.randn(40, 16, n_kv, 64, generator=g).bfloat16()
+    vp = torch.randn(40, 16, n_kv, 64, generator=g).bfloat16()
+    tables = torch.stack([torch.randperm(40, generator=g)[:20] for _ in ctxs])
+    ctx = torch.tensor(ctxs)
+    q = (torch.randn(len(ctxs), n_heads, 64, generator=g) * 2).bfloat16()
+    got = cn.decode_attention(q, kp, vp, tables, ctx, 0.125)
+    bf16_close(got, cn.decode_attention_ref(q, kp, vp, tables, ctx, 0.125))
+
+
+def test_decode_attention_refuses_out_of_range_tables() -> None:
+    kp = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out of range"):  # block 4 of a 4-block pool
+        cn.decode_attention(q, kp, kp, torch.tensor([[0, 4]]), torch.tensor([20]), 1.0)
+    with pytest.raises(ValueError, match="out of range"):  # longer than its table
+        cn.decode_attention(q, kp, kp, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
+
+
+@pytest.mark.parametrize("k", [1, 16, 40])
+def test_top_k(k: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 49152, generator=g)
+    assert torch.equal(cn.top_k(x, k), cn.top_k_ref(x, k))
+    ties = torch.randint(0, 4, (2, 1000), generator=g).float()  # ties go to the lower index
+    assert torch.equal(cn.top_k(ties, k), cn.top_k_ref(ties, k))
+
+
+SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
+                 qtypes={"token_embd.weight": QT.Q8_0})
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    written = write_model(tmp_path_factory.mktemp("native") / "m.gguf", SPEC)
+    return load_gguf(written.path, torch.bfloat16).model
+
+
+def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module) -> None:
+    m = small_model
+    assert build_stack(m) is not None
+    ids = [3 + (7 * i) % 50 for i in range(40)]
+    fused = prompt_logits(m, ids, chunk=1)  # decode steps: one native call each
+    stack = m._fused_decode
+    try:
+        stack._stack = None  # force the per-op path
+        per_op = prompt_logits(m, ids, chunk=1)
+    finally:
+        stack._built = False
+    assert torch.equal(fused, per_op)
+    prompt = prompt_logits(m, ids)  # one prompt: per-op, dense matmuls for many rows
+    torch.testing.assert_close(fused, prompt, rtol=0.05, atol=0.05)
+
+
+def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> None:
+    m = small_model
+    stack = build_stack(m)
+    assert stack is not None
+    g = torch.Generator().manual_seed(7)
+    pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
+              torch.randn(8, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    ref_pools = [(k.clone(), v.clone()) for k, v in pools]
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    pos = torch.tensor([4, 20, 0])
+    slots = torch.tensor([4, 16 + 20 % 16, 2 * 16])
+    tables = torch.tensor([[0, 5], [6, 1], [2, 7]])
+    ctx = pos + 1
+    cos, sin = m.rope.tables(64, torch.device("cpu"))
+    want = stack.run_ref(x.clone(), pos, slots, tables, ctx, ref_pools, cos, sin)
+    got = stack.run(x.clone(), pos, slots, tables, ctx, pools, cos, sin)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    for (k, v), (rk, rv) in zip(pools, ref_pools):  # the step's K/V, stored at its slots
+        torch.testing.assert_close(k.float(), rk.float(), rtol=0.05, atol=0.05)
+        torch.testing.assert_close(v.float(), rv.float(), rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run(x.clone(), pos, slots, tables, ctx + 40, pools, cos, sin)
