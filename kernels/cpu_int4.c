@@ -179,3 +179,47 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     free(xsum);
     return 0;
 }
+
+/* W^T in bf16 for a dense matmul over many rows (prefill): wt[k][n] = sum over planes of
+ * (c[n, k] - 8) s[k / 32, n] + z[k / 32, n], summed in fp32 and rounded once, for k < K and
+ * n < n_pad (the padded rows come out as 0). wt: bf16 [K][n_pad]. */
+void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
+                    int64_t planes, uint16_t *wt) {
+    const int64_t K2 = planes * K, tiles = n_pad / TILE;
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = packed + t * K2 * 32;
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            __m512 sc[2][4], zz[2][4];
+            for (int64_t p = 0; p < planes; p++) {
+                const uint16_t *s = sz + ((p * K / GROUP + g) * n_pad + t * TILE) * 2;
+                for (int r = 0; r < 4; r++) {
+                    const __m512i v = _mm512_loadu_si512(s + 32 * r);
+                    sc[p][r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    /* z - 8 s: the weight is c s + (z - 8 s) */
+                    zz[p][r] = _mm512_fnmadd_ps(sc[p][r], _mm512_set1_ps(8.0f),
+                                                _mm512_castsi512_ps(_mm512_and_si512(v, hi16)));
+                }
+            }
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {
+                __m512 w[4];
+                for (int64_t p = 0; p < planes; p++) {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + (p * K + k) * 32));
+                    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F));
+                    const __m128i q[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                    for (int r = 0; r < 4; r++) {
+                        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[r]));
+                        const __m512 v = _mm512_fmadd_ps(c, sc[p][r], zz[p][r]);
+                        w[r] = p ? _mm512_add_ps(w[r], v) : v;
+                    }
+                }
+                uint16_t *dst = wt + k * n_pad + t * TILE;
+                for (int r = 0; r < 4; r++)
+                    _mm256_storeu_si256((__m256i *)(dst + 16 * r), (__m256i)_mm512_cvtneps_pbh(w[r]));
+            }
+        }
+    }
+}

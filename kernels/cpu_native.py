@@ -100,6 +100,7 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64], ctypes.c_int),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr], None),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
         "silu_mul": ([ptr, i64, i64, i64, ptr], None),
         "rope": ([ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int], ctypes.c_int),
@@ -147,9 +148,34 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     return y
 
 
-def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                out_features: int, planes: int) -> torch.Tensor:
-    """Plain-PyTorch reference of `int4_mm`: dequantize to fp32, multiply, round to bf16."""
+def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int) -> torch.Tensor:
+    """W.T of a packed int4 weight in bf16, [in, out_padded] (padded rows are 0): for one dense
+    matmul over many rows. Planes are summed in fp32 and rounded once."""
+    lib = _library()
+    assert lib is not None
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
+            and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
+            and planes in (1, 2) and k2 % (planes * GROUP) == 0
+            and scales_zeros.shape == (k2 // GROUP, n_pad, 2)):
+        raise ValueError("int4_dequant_t: bad operands")
+    k = k2 // planes
+    wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
+    lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
+                       wt.data_ptr())
+    return wt
+
+
+def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor,
+                       planes: int) -> torch.Tensor:
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    w = _dequant_fp32(packed, scales_zeros)  # [n_pad, K2]
+    k = k2 // planes
+    return sum(w[:, p * k:(p + 1) * k] for p in range(planes)).t().to(torch.bfloat16)
+
+
+def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """[n_pad, K2] fp32 weights of the packed layout, planes side by side."""
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     b = packed.view(n_pad // TILE, k2, TILE // 2)
     codes = torch.stack((b & 15, b >> 4), dim=2)  # [tiles, K2, 2, 32]: rows 64t + 32h + j
@@ -157,7 +183,13 @@ def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     sz = scales_zeros.float()  # [K2 / 32, n_pad, 2]
     scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [n_pad, K2]
     zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
-    w = (codes - 8.0) * scale + zero
+    return (codes - 8.0) * scale + zero
+
+
+def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                out_features: int, planes: int) -> torch.Tensor:
+    """Plain-PyTorch reference of `int4_mm`: dequantize to fp32, multiply, round to bf16."""
+    w = _dequant_fp32(packed, scales_zeros)
     xin = x.float() if planes == 1 else torch.cat([x.float()] * planes, dim=1)
     return (xin @ w.t())[:, :out_features].to(torch.bfloat16)
 

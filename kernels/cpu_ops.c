@@ -25,22 +25,6 @@ static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* round to nearest even (values here are finite) */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7F800000u) == 0x7F800000u) return (uint16_t)((bits >> 16) | ((bits & 0xFFFF) ? 0x40 : 0));
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* e^x for x in [-88, 88] (clamped), relative error about 2e-7 */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
@@ -112,23 +96,44 @@ void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, 
 /* Rotary embedding, in place, on the first `heads` heads of each token of x (bf16, token
  * stride ldt, head stride head_dim): the first rot_dim dims of a head rotate by the angle of
  * its position; cos/sin: fp32 [positions][rot_dim / 2] (any scaling already applied).
- * neox: dims i and i + rot_dim/2 form a pair; otherwise dims 2i and 2i + 1 do. */
+ * neox: dims i and i + rot_dim/2 form a pair; otherwise dims 2i and 2i + 1 do.
+ * Per pair (x1, x2): (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, each rounded once. */
 int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
          int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
          const int64_t *pos, int neox) {
     const int64_t half = rot_dim / 2;
     for (int64_t t = 0; t < tokens; t++)
         if (pos[t] < 0 || pos[t] >= table_rows) return -1;
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+#pragma omp parallel for schedule(static) if (tokens >= 32)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_t + pos[t] * half, *s = sin_t + pos[t] * half;
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *p = x + t * ldt + h * head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                uint16_t *a = neox ? p + i : p + 2 * i, *b = neox ? p + i + half : p + 2 * i + 1;
-                const float x1 = bf16_to_f32(*a), x2 = bf16_to_f32(*b);
-                const float r1 = x1 * c[i] - x2 * s[i], r2 = x2 * c[i] + x1 * s[i];
-                *a = f32_to_bf16(r1);
-                *b = f32_to_bf16(r2);
+            for (int64_t i = 0; i < half; i += 16) {
+                const __mmask16 m = tail_mask(half - i);
+                const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
+                __m512 x1, x2;
+                __m512i pairs = _mm512_setzero_si512();
+                if (neox) {
+                    x1 = load_bf16(p + i, m);
+                    x2 = load_bf16(p + half + i, m);
+                } else { /* 32-bit lane j holds the pair (2(i+j), 2(i+j)+1) */
+                    pairs = _mm512_maskz_loadu_epi32(m, p + 2 * i);
+                    x1 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                    x2 = _mm512_castsi512_ps(_mm512_and_si512(pairs, hi16));
+                }
+                const __m512 r1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+                const __m512 r2 = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+                if (neox) {
+                    store_bf16(p + i, r1, m);
+                    store_bf16(p + half + i, r2, m);
+                } else {
+                    const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r1));
+                    const __m512i b2 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r2));
+                    pairs = _mm512_or_si512(b1, _mm512_slli_epi32(b2, 16));
+                    _mm512_mask_storeu_epi32(p + 2 * i, m, pairs);
+                }
             }
         }
     }

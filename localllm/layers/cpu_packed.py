@@ -144,6 +144,10 @@ class CpuPackedWeight:
 
     def dense_t(self) -> torch.Tensor:
         """W.T [in, out] in the compute dtype, dequantized for one call."""
+        if cpu_native.available():  # one pass, planes summed in fp32 (3-5x faster)
+            wt = cpu_native.int4_dequant_t(self.packed, self.scales_zeros, self.planes)
+            n = self.out_features
+            return wt if wt.shape[1] == n else wt[:, :n]
         n_pad, k2 = self.packed.shape[0], self.packed.shape[1] * 2
         half = TILE // 2
         # flipping each nibble's top bit turns code c into c - 8 under an arithmetic shift

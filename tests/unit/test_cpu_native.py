@@ -85,7 +85,7 @@ def test_silu_mul(rows: int) -> None:
 
 
 @pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("rot_dim", [64, 32])  # 32: partial rotary, the rest passes through
+@pytest.mark.parametrize("rot_dim", [64, 40])  # 40: partial rotary (and a partial vector)
 def test_rope_in_place(neox: bool, rot_dim: int) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 12 * 64 + 64, generator=g).bfloat16()  # 12 rotated heads, then others
@@ -191,3 +191,12 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
         torch.testing.assert_close(v.float(), rv.float(), rtol=0.05, atol=0.05)
     with pytest.raises(ValueError, match="out of range"):
         stack.run(x.clone(), pos, slots, tables, ctx + 40, pools, cos, sin)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int4_dequant_t(planes: int) -> None:
+    w = packed(96, 128, planes)  # one padded tile
+    wt = cn.int4_dequant_t(w.packed, w.scales_zeros, planes)
+    assert wt.shape == (128, 128)
+    bf16_close(wt, cn.int4_dequant_t_ref(w.packed, w.scales_zeros, planes))
+    assert not wt[:, 96:].any()  # padding rows are zero weights
