@@ -3,8 +3,9 @@
     python benchmarks/perplexity.py [--model PATH] [--tokens 1024] [--text FILE]
 
 Modes: fp32 (weights dequantized exactly: the reference of the file's own weights), bf16 with
-int4 weights kept packed (the fast CPU path: through the int4 kernel, fed 16 tokens at a time,
-and through one dequantized prefill), bf16 with every weight dense. The text defaults to
+int4 weights kept packed (the fast CPU path: one token a step, as decode runs it -- with the
+native kernels, the whole step in one call; 16 tokens at a time through the int4 kernel; and
+one dequantized prefill), bf16 with every weight dense. The text defaults to
 the Apache License 2.0 (benchmarks/data). One window of --tokens tokens; each position is
 scored given all the previous ones.
 """
@@ -49,10 +50,11 @@ def main() -> None:
     text = Path(args.text).read_text()
     results: dict[str, float] = {}
     ids: list[int] = []
-    # chunk 16: the int4 kernel's path (<= 64 rows), as in decode and small batches; whole:
-    # one prefill, where int4 weights are dequantized to bf16 for a dense matmul
+    # chunk 1: decode; chunk 16: the int4 kernel's path (<= 64 rows) as in small batches;
+    # whole: one prefill, where int4 weights are dequantized to bf16 for a dense matmul
     for name, dtype, quantized, chunk in [
             ("localllm fp32 (reference)", torch.float32, False, 0),
+            ("localllm bf16 int4, decode", torch.bfloat16, True, 1),
             ("localllm bf16 int4, kernel", torch.bfloat16, True, 16),
             ("localllm bf16 int4, prefill", torch.bfloat16, True, 0),
             ("localllm bf16, dense", torch.bfloat16, False, 0)]:

@@ -129,18 +129,38 @@ def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausal
         raise ModelLoadError(f"{src}: missing tensors for {', '.join(missing[:3])}{more}")
 
 
-def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo,
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                     "tokenizer.ggml.token_type")
+
+
+def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo, gf: GGUFFile,
                     dtype: torch.dtype) -> bool:
-    """Hand a linear layer its weight in a quantized runtime format, where it has a path."""
+    """Hand a linear layer its weight in a quantized runtime format, where it has a path.
+    Matrices are repacked a slice of rows at a time, straight from the mapped file."""
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path)
     if attr != "weight" or not isinstance(module, Linear):
         return False
-    packed = repack(info)
-    if isinstance(packed, (Int4Weight, Int8Weight)) and quantized_cpu_supported(packed, dtype):
-        module.set_quantized(packed)
-        return True
-    return False
+    if len(info.shape) != 2 or info.data.ndim != 2 or info.data.shape[0] != info.shape[0]:
+        packed = repack(info)
+        if isinstance(packed, (Int4Weight, Int8Weight)) and quantized_cpu_supported(packed,
+                                                                                    dtype):
+            module.set_quantized(packed)
+            return True
+        return False
+    first = repack(info.data[:1], info.qtype, (1, info.shape[1]))
+    if not (isinstance(first, (Int4Weight, Int8Weight))
+            and quantized_cpu_supported(first, dtype)):
+        return False
+
+    def rows(start: int, end: int) -> Int4Weight | Int8Weight:
+        w = repack(info.data[start:end], info.qtype, (end - start, info.shape[1]))
+        assert isinstance(w, (Int4Weight, Int8Weight))
+        gf.release(info, (start, end))  # copied out: its file pages can go
+        return w
+
+    module.set_quantized_rows(rows)
+    return True
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
@@ -165,6 +185,8 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
     except ModelLoadError as e:
         raise ModelLoadError(f"{src}: {e}") from None
     tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=src)
+    for key in _TOKENIZER_ARRAYS:  # built: ~10 MB of Python objects not needed while loading
+        gf.metadata.pop(key, None)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but the "
                              f"embedding only {cfg.vocab_size}")
@@ -181,7 +203,7 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         if name == "rope.freq_factors":
             model.rope.set_freq_factors(dequantize(info, src).flatten(), cfg)
         elif name is not None and name in params:
-            if not (quantized and _keep_quantized(model, name, info, dtype)):
+            if not (quantized and _keep_quantized(model, name, info, gf, dtype)):
                 params[name].data.copy_(dequantize(info, src))
         gf.release(info)
         if progress is not None:

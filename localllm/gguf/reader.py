@@ -189,12 +189,21 @@ class GGUFFile:
             self._tensors[name] = TensorInfo(name, qtype, shape, arr)
             self._spans[name] = (start, start + nbytes)
 
-    def release(self, info: TensorInfo) -> None:
+    def release(self, info: TensorInfo, rows: tuple[int, int] | None = None) -> None:
         """Drop the file pages of a tensor that has been copied out from this process's
         resident memory (they stay in the page cache; touching them again reads them back).
-        Loading calls it after each tensor, so the mapped file never counts whole."""
+        Loading calls it after each tensor, so the mapped file never counts whole.
+        `rows` (start, end): only those rows of a matrix (pages they share with other rows
+        are kept)."""
         start, end = self._spans[info.name]
         page = mmap.PAGESIZE
+        if rows is not None:
+            per_row = (end - start) // max(info.shape[0], 1)
+            start, end = start + rows[0] * per_row, start + rows[1] * per_row
+            start, end = -(-start // page) * page, end // page * page
+            if end > start and hasattr(self._map, "madvise"):
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            return
         start, end = start // page * page, -(-end // page) * page
         if hasattr(self._map, "madvise") and end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._map)) - start)

@@ -28,6 +28,8 @@ a request's results do not depend on its neighbours below that size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from localllm.kernels import cpu_native
@@ -38,7 +40,7 @@ GROUP = 32  # the only group size both formats and the kernel share
 # At or below this many rows per plane the packed kernel beats dequantize + dense matmul
 # (default model shapes, 2 cores: 512 rows 5.2 ms vs 1.4 ms; 1 row 28 us vs 1.4 ms).
 KERNEL_MAX_ROWS = 64
-PACK_ROWS = 4096  # rows converted to the packed layout at a time (a multiple of TILE)
+PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
 
 
 def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
@@ -64,6 +66,29 @@ def _codes(w: Int4Weight | Int8Weight, start: int, end: int) -> torch.Tensor:
     return codes
 
 
+def slice_rows(w: Int4Weight | Int8Weight, start: int, end: int) -> Int4Weight | Int8Weight:
+    """Rows start..end of a weight, as a weight of the same format (views, no copies)."""
+    offs = None if w.offsets is None else w.offsets[start:end]
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.qweight[start:end], w.scales[start:end], offs, w.group_size,
+                          w.codebook)
+    return Int8Weight(w.qweight[start:end], w.scales[start:end], offs, w.group_size)
+
+
+RowSource = Callable[[int, int], Int4Weight | Int8Weight]
+
+
+def _scales_zeros(w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's fp32 scales and zeros of each row and group, planes side by side:
+    [out, planes * in / 32] each (see the module docstring)."""
+    s = w.scales.float()  # [out, in / 32]
+    if isinstance(w, Int4Weight):
+        zeros = (w.offsets.float() + 8.0 * s) if w.offsets is not None else torch.zeros_like(s)
+        return s, zeros
+    hi_zero = w.offsets.float() if w.offsets is not None else torch.zeros_like(s)
+    return torch.cat((16.0 * s, s), dim=1), torch.cat((hi_zero, 8.0 * s), dim=1)
+
+
 class CpuPackedWeight:
     """An int4 or grouped int8 weight [out, in] in the int4 kernel's packed layout."""
 
@@ -85,32 +110,50 @@ class CpuPackedWeight:
         """`exact_rows` keeps the source's scales (a few % more memory), so that `rows`
         returns exactly the dequantized weight rather than bf16-rounded scales times codes
         (an embedding table: its rows enter the residual stream as they are)."""
-        if not cpu_packable(w, dtype) or w.group_size != GROUP:
-            raise ValueError("this weight format has no packed int4 CPU layout")
-        s = w.scales.float()  # [out, in / 32]
-        if isinstance(w, Int4Weight):
-            zeros = (w.offsets.float() + 8.0 * s) if w.offsets is not None else torch.zeros_like(s)
-            scales, planes = s, 1
-        else:
-            hi_zero = w.offsets.float() if w.offsets is not None else torch.zeros_like(s)
-            scales = torch.cat((16.0 * s, s), dim=1)
-            zeros = torch.cat((hi_zero, 8.0 * s), dim=1)
-            planes = 2
-        out = w.out_features
-        pad = -out % TILE
-        if pad:
-            scales = torch.cat((scales, scales.new_zeros(pad, scales.shape[1])))
-            zeros = torch.cat((zeros, zeros.new_zeros(pad, zeros.shape[1])))
+        return cls.from_rows(lambda start, end: slice_rows(w, start, end), w.out_features,
+                             dtype, exact_rows)
+
+    @classmethod
+    def from_rows(cls, source: RowSource, out_features: int, dtype: torch.dtype,
+                  exact_rows: bool = False) -> CpuPackedWeight:
+        """Packs a weight of `out_features` rows that `source(start, end)` hands over
+        PACK_ROWS rows at a time (sliced from a file while loading, say), so that only the
+        packed result and one slice are ever in memory. See `from_weight`."""
+        out = out_features
+        n_pad = out + (-out % TILE)
+        packed = sz = None
+        exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        planes = 1
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
-        packed = torch.empty(out + pad, planes * w.in_features // 2, dtype=torch.uint8)
-        for r in range(0, out + pad, PACK_ROWS):
-            end = min(r + PACK_ROWS, out + pad)
+        for r in range(0, n_pad, PACK_ROWS):
+            end = min(r + PACK_ROWS, n_pad)
+            w = source(r, min(end, out))
+            if not cpu_packable(w, dtype) or w.group_size != GROUP:
+                raise ValueError("this weight format has no packed int4 CPU layout")
+            if packed is None or sz is None:
+                planes = 1 if isinstance(w, Int4Weight) else 2
+                groups = w.in_features // GROUP
+                packed = torch.empty(n_pad, planes * w.in_features // 2, dtype=torch.uint8)
+                sz = torch.zeros(planes * groups, n_pad, 2, dtype=dtype)  # padding: weight 0
+                if exact_rows:
+                    exact = (w.scales.new_empty(out, groups),
+                             None if w.offsets is None else w.offsets.new_empty(out, groups))
+            elif (1 if isinstance(w, Int4Weight) else 2) != planes \
+                    or packed.shape[1] * 2 != planes * w.in_features:
+                raise ValueError("the rows of one weight changed format")
             packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                _codes(w, r, end).to(torch.int32), 1)
-        sz = torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
-        exact = (w.scales, w.offsets) if exact_rows else None
-        return cls(packed, sz, out, w.in_features, planes, exact)
+                _codes(w, 0, end - r).to(torch.int32), 1)
+            scales, zeros = _scales_zeros(w)  # [rows, planes * in / 32] each
+            stop = r + w.out_features
+            sz[:, r:stop, 0] = scales.t()
+            sz[:, r:stop, 1] = zeros.t()
+            if exact is not None:
+                exact[0][r:stop] = w.scales
+                if exact[1] is not None and w.offsets is not None:
+                    exact[1][r:stop] = w.offsets
+        assert packed is not None and sz is not None
+        return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact)
 
     @staticmethod
     def concat(parts: list[CpuPackedWeight]) -> CpuPackedWeight | None:

@@ -22,6 +22,7 @@ from torch import nn
 from localllm.layers.cpu_packed import (
     CpuPackedWeight,
     CpuQuantWeight,
+    RowSource,
     cpu_packable,
     cpu_quant_weight,
 )
@@ -63,6 +64,23 @@ class Linear(nn.Module):
             raise ValueError(f"weight shape {(w.out_features, w.in_features)} does not match "
                              f"{(self.out_features, self.in_features)}")
         self.qweight = cpu_quant_weight(w, self.dtype, exact_rows=self.exact_rows)
+        self.weight = None
+
+    def set_quantized_rows(self, source: RowSource) -> None:
+        """Like `set_quantized`, with the weight handed over a slice of rows at a time by
+        `source(start, end)` (see `CpuPackedWeight.from_rows`): loading a large tensor this
+        way never holds a second copy of it."""
+        first = source(0, min(self.out_features, 64))
+        if not quantized_cpu_supported(first, self.dtype):
+            raise ValueError("this weight format has no quantized CPU path")
+        if first.in_features != self.in_features:
+            raise ValueError(f"weight rows of {first.in_features} values do not match "
+                             f"{self.in_features}")
+        if isinstance(first, Int8Weight) and first.per_channel:
+            self.set_quantized(source(0, self.out_features))
+            return
+        self.qweight = CpuPackedWeight.from_rows(source, self.out_features, self.dtype,
+                                                 self.exact_rows)
         self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
