@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TILE 64
 #define GROUP 32
@@ -126,6 +127,126 @@ static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
     _mm256_mask_storeu_epi16(dst, mask, (__m256i)v);
 }
 
+
+/* ---- AMX (Sapphire Rapids and later): the same sums with tile matmuls ----
+ *
+ * Per 64-row tile and group of 32 columns, the unpacked (k, k+1) pairs of four 16-row blocks
+ * are exactly four B tiles of TDPBF16PS (16 pair rows x 16 columns); x's rows for the group
+ * are the A tile; C (x rows x 16 fp32) = sum x (128 + c), then the same epilogue as above.
+ * Each output element is summed within one tile op whatever the number of rows, so a row's
+ * result does not depend on its batch; once enabled, every call takes this path. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_ROWS 16
+
+static int amx_enabled = 0;
+
+/* on = 1: ask the kernel for the AMX tile state and use it; 0: stop using it; -1: only ask
+ * whether it is in use. Returns whether AMX is in use. */
+int int4_amx_enable(int on) {
+    if (on == 1 && !amx_enabled)
+        amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    else if (on == 0)
+        amx_enabled = 0;
+    return amx_enabled;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+/* tmm0-3: C for the four 16-row blocks of a tile; tmm4: A (x); tmm5-7: B */
+static void amx_config(int64_t mr) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = i < 5 ? (uint8_t)mr : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                      const uint8_t *packed, const uint16_t *sz, int64_t N, int64_t n_pad,
+                      int64_t groups, const float *xsum, uint16_t *y, int64_t ldy) {
+    const int64_t tiles = n_pad / TILE, tile_bytes = groups * GROUP * 32;
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+#pragma omp parallel
+    {
+        uint16_t bt[4][16][32] __attribute__((aligned(64))); /* B tiles: [r][pair row][n, 2] */
+        float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
+        float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
+        int64_t configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile = packed + t * tile_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                if (mr != configured) {
+                    amx_config(mr);
+                    configured = mr;
+                }
+                memset(acc, 0, sizeof(float) * (size_t)(mr * TILE));
+                for (int64_t g = 0; g < groups; g++) {
+                    const uint8_t *p = tile + g * GROUP * 32;
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                    for (int kp = 0; kp < GROUP / 2; kp++) {
+                        if (kp % 2 == 0)
+                            _mm_prefetch((const char *)p + 64 * kp + PREFETCH_BYTES + 64,
+                                         _MM_HINT_T0);
+                        __m512i w[4];
+                        unpack_pairs(_mm512_loadu_si512(p + 64 * kp), w);
+                        for (int r = 0; r < 4; r++) _mm512_store_si512(bt[r][kp], w[r]);
+                    }
+                    const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_loadd(4, x + m0 * ldx + kx, ldx * 2);
+                    _tile_loadd(5, bt[0], 64);
+                    _tile_loadd(6, bt[1], 64);
+                    _tile_loadd(7, bt[2], 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, bt[3], 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_stored(0, ct[0], 64);
+                    _tile_stored(1, ct[1], 64);
+                    _tile_stored(2, ct[2], 64);
+                    _tile_stored(3, ct[3], 64);
+                    const uint16_t *s = sz + (g * n_pad + t * TILE) * 2;
+                    for (int r = 0; r < 4; r++) {
+                        const __m512i v = _mm512_loadu_si512(s + 32 * r);
+                        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+                        const __m512 zz = _mm512_fnmadd_ps(sc, c136, zr); /* z - 136 s */
+                        for (int64_t m = 0; m < mr; m++) {
+                            __m512 a = _mm512_load_ps(acc[m] + 16 * r);
+                            a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][m]), a);
+                            a = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[(m0 + m) * groups + g]), a);
+                            _mm512_store_ps(acc[m] + 16 * r, a);
+                        }
+                    }
+                }
+                const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t m = 0; m < mr; m++)
+                    for (int64_t r = 0; r < rows; r += 16)
+                        store_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+
 /* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written). Returns 0, or -1 if out of memory. */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
@@ -145,6 +266,11 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             }
             xsum[m * groups + g] = acc;
         }
+    if (amx_enabled && M >= 2) {
+        amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
+        free(xsum);
+        return 0;
+    }
     const int64_t tile_bytes = K2 * 32;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows two at a time */

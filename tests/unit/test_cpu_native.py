@@ -3,6 +3,7 @@ decode path of a model against its per-op path."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,20 @@ def packed(out: int, inp: int, planes: int, seed: int = 0) -> CpuPackedWeight:
     return CpuPackedWeight.from_weight(make(out, inp, offsets=True, seed=seed), torch.bfloat16)
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """int4_mm's batches through AVX-512 dot products, then through AMX tiles (where the CPU
+    has them)."""
+    if not cn.set_amx(request.param == "amx") and request.param == "amx":
+        pytest.skip("this CPU has no AMX (amx_tile, amx_bf16)")
+    yield str(request.param)
+    cn.set_amx(cn.AMX_DEFAULT)
+
+
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("out", [64, 96, 200])  # 96, 200: the last tile is padded
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_int4_mm_matches_reference(planes: int, out: int, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 40])  # 17, 40: AMX row blocks of 16
+def test_int4_mm_matches_reference(planes: int, out: int, rows: int, matmul_path: str) -> None:
     w = packed(out, 256, planes)
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
     y = cn.int4_mm(x, w.packed, w.scales_zeros, out, planes)
@@ -46,13 +57,18 @@ def test_int4_mm_matches_reference(planes: int, out: int, rows: int) -> None:
     bf16_close(y, cn.int4_mm_ref(x, w.packed, w.scales_zeros, out, planes))
 
 
-def test_int4_mm_row_results_do_not_depend_on_the_batch() -> None:
+def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str) -> None:
     w = packed(320, 128, 1)  # 5 tiles: one of them unpaired at batch 1
-    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     batched = cn.int4_mm(x, w.packed, w.scales_zeros, 320, 1)
-    for i in range(7):
-        alone = cn.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)
-        assert torch.equal(alone[0], batched[i])
+    for i in range(20):
+        pair = cn.int4_mm(x[[i, 19 - i if i != 19 - i else 0]], w.packed, w.scales_zeros, 320, 1)
+        assert torch.equal(pair[0], batched[i])
+        alone = cn.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)[0]
+        if matmul_path == "avx512":
+            assert torch.equal(alone, batched[i])
+        else:  # one row runs on AVX-512: equal up to fp32 rounding
+            bf16_close(alone, batched[i])
 
 
 def test_int4_mm_refuses_mismatched_operands() -> None:
