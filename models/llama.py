@@ -13,6 +13,7 @@ from localllm.config import ModelConfig
 from localllm.kernels import cpu_native
 from localllm.layers.activation import silu_and_mul, silu_and_mul_fused
 from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from localllm.layers.cpu_packed import decode_rows
 from localllm.layers.fused_decode import FusedDecode
 from localllm.layers.linear import Linear, fuse_linears
 from localllm.layers.norm import RMSNorm
@@ -178,8 +179,13 @@ class LlamaForCausalLM(nn.Module):
             return fused
         x = self.embed_tokens.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, positions, cache, meta, backend)
+        # the scheduler puts decoding sequences first: their rows keep the few-rows kernels
+        # even when a long prompt shares the step
+        decoding = next((i for i, n in enumerate(meta.query_lens) if n != 1),
+                        len(meta.query_lens))
+        with decode_rows(decoding):
+            for layer, cache in zip(self.layers, caches):
+                x, residual = layer(x, residual, positions, cache, meta, backend)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
@@ -187,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] fp32
-        logits = self.lm_head(hidden).float()
+        with decode_rows(hidden.shape[0]):  # one row per sequence: the same path at any batch
+            logits = self.lm_head(hidden).float()
         if self.dtype == torch.float32:
             return logits
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top

@@ -20,15 +20,18 @@ Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales):
 Rows are padded to a multiple of 64 with zero weights. Int8 weights with one scale per output
 channel use `_weight_int8pack_mm` instead (`CpuInt8ChannelWeight`).
 
-The kernel's cost grows with the number of rows of `x` (about 25 us + 11 us a row on a
-576x1536 weight), so above `max_kernel_rows` the weight is dequantized for the call and one
-dense matmul runs. Every row goes through the same kernel whatever else shares its batch, so
-a request's results do not depend on its neighbours below that size.
+The few-rows kernel's cost grows with the rows of `x`, so above `max_kernel_rows` rows the
+weight is dequantized for the call and one dense matmul runs -- except for the leading rows
+that the step marks as decoding tokens (`decode_rows`): those always take the kernel, which
+computes every row the same way whatever else shares its batch, so a request's tokens do not
+depend on its neighbours, even when a long prompt shares the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -37,9 +40,52 @@ from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
 TILE = 64  # rows per tile of the packed layout
 GROUP = 32  # the only group size both formats and the kernel share
-# At or below this many rows per plane the packed kernel beats dequantize + dense matmul
-# (default model shapes, 2 cores: 512 rows 5.2 ms vs 1.4 ms; 1 row 28 us vs 1.4 ms).
-KERNEL_MAX_ROWS = 64
+# At or below this many rows the few-rows kernel beats dequantize + dense matmul. Default model
+# shapes, 2 cores: the native kernel on the 3072x576 gate/up weight 205 us at 8 rows, 395 us at
+# 16, 578 us at 24 vs 460 us dequantized; PyTorch's int4 kernel (per plane) 1.4 ms at 512 rows
+# vs 5.2 ms, 28 us at 1 row.
+NATIVE_KERNEL_MAX_ROWS = 16
+TORCH_KERNEL_MAX_ROWS = 64
+
+# how many leading rows of the batch in flight are decoding tokens (see the module docstring)
+_DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)
+
+
+@contextmanager
+def decode_rows(n: int) -> Iterator[None]:
+    """Within this block, the first `n` rows of every packed matmul are decoding tokens: they
+    take the few-rows kernel whatever the batch size, the rest follow `max_kernel_rows`."""
+    token = _DECODE_ROWS.set(n)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
+
+
+def kernel_max_rows(planes: int) -> int:
+    """Rows up to which a packed weight of `planes` planes runs the few-rows kernel."""
+    if cpu_native.available():
+        return NATIVE_KERNEL_MAX_ROWS
+    return TORCH_KERNEL_MAX_ROWS // planes
+
+
+def split_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor],
+                 dense_t: Callable[[], torch.Tensor], max_rows: int,
+                 out_features: int) -> torch.Tensor:
+    """x @ W.T through `kernel` for few rows and for the step's decoding rows, and through
+    one dense matmul with the dequantized weight for the other rows of a large batch."""
+    m = x.shape[0]
+    if m <= max_rows:
+        return kernel(x)
+    d = min(_DECODE_ROWS.get(), m)
+    if d == m:
+        return kernel(x)
+    if d == 0:
+        return x @ dense_t()
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    y[:d] = kernel(x[:d])
+    torch.matmul(x[d:], dense_t(), out=y[d:])
+    return y
 PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
 
 
@@ -102,7 +148,7 @@ class CpuPackedWeight:
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
-        self.max_kernel_rows = KERNEL_MAX_ROWS // planes
+        self.max_kernel_rows = kernel_max_rows(planes)
 
     @classmethod
     def from_weight(cls, w: Int4Weight | Int8Weight, dtype: torch.dtype,
@@ -175,8 +221,10 @@ class CpuPackedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] bf16 -> [rows, out]
-        if x.shape[0] > self.max_kernel_rows:
-            return x @ self.dense_t()
+        return split_matmul(x, self._kernel, self.dense_t, self.max_kernel_rows,
+                            self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_native.available():
             return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
                                       self.planes)
@@ -243,7 +291,7 @@ class CpuInt8ChannelWeight:
         self.exact_scales = w.scales.view(-1)  # [out], the source's, for exact `rows`
         self.out_features = w.out_features
         self.in_features = w.in_features
-        self.max_kernel_rows = KERNEL_MAX_ROWS
+        self.max_kernel_rows = TORCH_KERNEL_MAX_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -251,8 +299,10 @@ class CpuInt8ChannelWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] bf16 -> [rows, out]
-        if x.shape[0] > self.max_kernel_rows:
-            return x @ self.dense_t()
+        return split_matmul(x, self._kernel, self.dense_t, self.max_kernel_rows,
+                            self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dense_t(self) -> torch.Tensor:

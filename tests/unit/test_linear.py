@@ -8,7 +8,7 @@ import torch
 
 from localllm.kernels import cpu_native
 from localllm.layers import cpu_packed
-from localllm.layers.cpu_packed import KERNEL_MAX_ROWS, CpuPackedWeight
+from localllm.layers.cpu_packed import CpuPackedWeight, decode_rows
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
 from localllm.quant.quantize import quantize_int8
@@ -47,7 +47,7 @@ def bf16_rounded_error(ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("out", [96, 128])  # 96: rows padded to the kernel's tiles of 64
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS // 2 + 1, KERNEL_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 33, 65, 200])  # across each kernel's limit
 def test_quantized_linear_matches_reference(kind: str, out: int, rows: int,
                                            cpu_path: str) -> None:
     w = WEIGHTS[kind](out)
@@ -153,3 +153,19 @@ def test_int8_with_offsets_and_32_columns_takes_the_packed_path() -> None:
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
     ref = x.float() @ w.dequantize().t()
     assert (lin(x).float() - ref).abs().max() <= bf16_rounded_error(ref)
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_decoding_rows_keep_the_kernel_beside_a_long_prompt(kind: str, cpu_path: str) -> None:
+    # a step with 3 decoding sequences and a 77-token prompt chunk: the decoding rows get
+    # exactly their results alone, the prompt rows the dense result
+    w = WEIGHTS[kind](128)
+    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
+    lin.set_quantized(w)
+    x = torch.randn(80, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with decode_rows(3):
+        y = lin(x)
+    for i in range(3):
+        assert torch.equal(y[i], lin(x[i:i + 1])[0])
+    assert lin.qweight is not None
+    assert torch.equal(y[3:], x[3:] @ lin.qweight.dense_t())
