@@ -8,8 +8,9 @@ Decode: aggregate tokens/s of --sessions concurrent greedy streams vs one stream
 tokens sampled after every stream has its first token (so prefill is left out), in one run.
 Target: >= 4x. Prefix: time to first token of a prompt whose ~--prefix-tokens prefix is in the
 KV cache (a follow-up turn: same prefix, new last line) vs the same prompt cold. Target: >= 10x.
---profile: time one batched decode step split into attention, `ModelRunner._prepare`, and the
-rest of the model, at 1 and at --sessions sequences.
+--profile: time one decode step split into the model's layers, the logits,
+`ModelRunner._prepare` and the rest, at 1 and at --sessions sequences (in the loading thread,
+with one torch thread).
 """
 
 from __future__ import annotations
@@ -100,35 +101,37 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
 
 
 def profile_step(llm: LLM, prompts: list[list[int]]) -> dict[str, float]:
-    """ms per decode step at batch 1 and batch len(prompts): attention / prepare / the rest."""
+    """ms per decode step at batch 1 and batch len(prompts): the model's layers (one native call
+    a step where the native kernels run), the logits, `ModelRunner._prepare`, and the rest
+    (scheduler, sampling, detokenization)."""
     eng = llm.engine
     runner = eng.runner
+    model = runner.model
     res: dict[str, float] = {}
     for n in (1, len(prompts)):
-        attn: list[float] = []
-        prep: list[float] = []
-        fwd = runner.backend.forward
-        prepare = runner._prepare
+        parts: dict[str, list[float]] = {"layers": [], "logits": [], "prepare": []}
+        fwd, logits, prepare = model.forward, model.compute_logits, runner._prepare
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for p in prompts[:n]:
             eng.add_request(p, params)
         for _ in range(8):  # prefill and warm-up
             eng.step()
-        runner.backend.forward = timed(fwd, attn)  # type: ignore[method-assign]
-        runner._prepare = timed(prepare, prep)  # type: ignore[method-assign]
+        model.forward = timed(fwd, parts["layers"])  # type: ignore[method-assign]
+        model.compute_logits = timed(logits, parts["logits"])  # type: ignore[method-assign]
+        runner._prepare = timed(prepare, parts["prepare"])  # type: ignore[method-assign]
         steps = 16
         t = time.perf_counter()
         for _ in range(steps):
             eng.step()
         total = (time.perf_counter() - t) / steps
-        del runner.backend.forward, runner._prepare
+        del model.forward, model.compute_logits, runner._prepare
         while eng.has_unfinished():
             eng.step()
         res[f"step_ms@{n}"] = 1e3 * total
-        res[f"attention_ms@{n}"] = 1e3 * sum(attn) / steps
-        res[f"prepare_ms@{n}"] = 1e3 * sum(prep) / steps
-        res[f"rest_ms@{n}"] = res[f"step_ms@{n}"] - res[f"attention_ms@{n}"] - res[
-            f"prepare_ms@{n}"]
+        for name, times in parts.items():
+            res[f"{name}_ms@{n}"] = 1e3 * sum(times) / steps
+        res[f"rest_ms@{n}"] = res[f"step_ms@{n}"] - sum(
+            res[f"{name}_ms@{n}"] for name in parts)
     return res
 
 
