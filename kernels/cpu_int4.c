@@ -56,6 +56,18 @@ static inline __attribute__((always_inline)) void unpack_pairs(__m512i b, __m512
     w[3] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, hi);
 }
 
+/* Scale of rows 16r..16r+15 of a tile for one group, from the bf16 (scale, zero) pairs at s
+ * (32-bit lane j: the scale in its low half, the zero in its high half); *zero_adj gets
+ * zero - bias * scale. */
+static inline __m512 group_scale(const uint16_t *s, int r, float bias, __m512 *zero_adj) {
+    const __m512i v = _mm512_loadu_si512(s + 32 * r);
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 zr = _mm512_castsi512_ps(
+        _mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    *zero_adj = _mm512_fnmadd_ps(sc, _mm512_set1_ps(bias), zr);
+    return sc;
+}
+
 /* NT consecutive 64-row tiles for MR rows of x (NT * MR <= 2: 16 accumulators and 16 sums
  * fit the 32 vector registers). out[(i * MR + m) * 64 + row] gets tile i's rows for x row m,
  * in fp32. Every (tile, row) pair is summed in the same order whatever NT and MR are, so a row
@@ -64,8 +76,6 @@ static inline __attribute__((always_inline)) void tiles_rows(
     const uint8_t *tile, int64_t tile_bytes, const uint16_t *sz, int64_t sz_group_stride,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
     const int NT, const int MR) {
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512 c136 = _mm512_set1_ps(136.0f);
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
@@ -101,11 +111,8 @@ static inline __attribute__((always_inline)) void tiles_rows(
         for (int i = 0; i < NT; i++) {
             const uint16_t *s = sz + g * sz_group_stride + i * TILE * 2;
             for (int r = 0; r < 4; r++) {
-                /* 32-bit lane j: scale of row 16r + j in its low half, zero in its high half */
-                const __m512i v = _mm512_loadu_si512(s + 32 * r);
-                const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
-                const __m512 zz = _mm512_fnmadd_ps(sc, c136, zr); /* z - 136 s */
+                __m512 zz; /* z - 136 s */
+                const __m512 sc = group_scale(s, r, 136.0f, &zz);
                 for (int m = 0; m < MR; m++) {
                     y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
                     y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
@@ -176,8 +183,6 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       const uint8_t *packed, const uint16_t *sz, int64_t N, int64_t n_pad,
                       int64_t groups, const float *xsum, uint16_t *y, int64_t ldy) {
     const int64_t tiles = n_pad / TILE, tile_bytes = groups * GROUP * 32;
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512 c136 = _mm512_set1_ps(136.0f);
 #pragma omp parallel
     {
         uint16_t bt[4][16][32] __attribute__((aligned(64))); /* B tiles: [r][pair row][n, 2] */
@@ -225,10 +230,8 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                     _tile_stored(3, ct[3], 64);
                     const uint16_t *s = sz + (g * n_pad + t * TILE) * 2;
                     for (int r = 0; r < 4; r++) {
-                        const __m512i v = _mm512_loadu_si512(s + 32 * r);
-                        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                        const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
-                        const __m512 zz = _mm512_fnmadd_ps(sc, c136, zr); /* z - 136 s */
+                        __m512 zz; /* z - 136 s */
+                        const __m512 sc = group_scale(s, r, 136.0f, &zz);
                         for (int64_t m = 0; m < mr; m++) {
                             __m512 a = _mm512_load_ps(acc[m] + 16 * r);
                             a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][m]), a);
@@ -312,7 +315,6 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt) {
     const int64_t K2 = planes * K, tiles = n_pad / TILE;
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = packed + t * K2 * 32;
@@ -320,16 +322,12 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
             __m512 sc[2][4], zz[2][4];
             for (int64_t p = 0; p < planes; p++) {
                 const uint16_t *s = sz + ((p * K / GROUP + g) * n_pad + t * TILE) * 2;
-                for (int r = 0; r < 4; r++) {
-                    const __m512i v = _mm512_loadu_si512(s + 32 * r);
-                    sc[p][r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                    /* z - 8 s: the weight is c s + (z - 8 s) */
-                    zz[p][r] = _mm512_fnmadd_ps(sc[p][r], _mm512_set1_ps(8.0f),
-                                                _mm512_castsi512_ps(_mm512_and_si512(v, hi16)));
-                }
+                for (int r = 0; r < 4; r++) /* the weight is c s + (z - 8 s) */
+                    sc[p][r] = group_scale(s, r, 8.0f, &zz[p][r]);
             }
             for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {
-                __m512 w[4];
+                __m512 w[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                               _mm512_setzero_ps()};
                 for (int64_t p = 0; p < planes; p++) {
                     const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + (p * K + k) * 32));
                     const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
