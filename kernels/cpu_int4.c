@@ -148,6 +148,9 @@ static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define AMX_ROWS 16
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 2 /* one row stays on AVX-512 (see cpu_native.amx_enabled) */
+#endif
 
 static int amx_enabled = 0;
 
@@ -269,7 +272,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             }
             xsum[m * groups + g] = acc;
         }
-    if (amx_enabled && M >= 2) {
+    if (amx_enabled && M >= AMX_MIN_ROWS) {
         amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
         free(xsum);
         return 0;
