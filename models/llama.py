@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from localllm.config import ModelConfig
-from localllm.kernels import cpu_native
 from localllm.layers.activation import silu_and_mul, silu_and_mul_fused
 from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from localllm.layers.cpu_packed import decode_rows
@@ -18,6 +17,7 @@ from localllm.layers.fused_decode import FusedDecode
 from localllm.layers.linear import Linear, fuse_linears
 from localllm.layers.norm import RMSNorm
 from localllm.layers.rope import RotaryEmbedding
+from localllm.layers.topk import top_indices
 
 REFINE_TOP = 16  # bf16 compute: logits of the best tokens recomputed in fp32
 
@@ -200,11 +200,7 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
         # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
-        k = min(REFINE_TOP, logits.shape[1])
-        if logits.device.type == "cpu" and cpu_native.available():
-            top = cpu_native.top_k(logits, k)  # [seqs, k]; 10x faster than torch.topk here
-        else:
-            top = logits.topk(k, dim=-1).indices
+        top = top_indices(logits, min(REFINE_TOP, logits.shape[1]))  # [seqs, k]
         rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
         if self.lm_head.bias is not None:

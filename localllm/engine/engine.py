@@ -14,9 +14,10 @@ from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineSnapshot, EngineStats, engine_snapshot
 from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from localllm.engine.request import FinishReason, Request, RequestStatus
-from localllm.engine.sampler import Sampler, argmax_rows
+from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from localllm.errors import RequestError
+from localllm.layers.topk import argmax_rows
 from localllm.loader import LoadedModel
 from localllm.text.detokenizer import IncrementalDetokenizer, StopChecker
 

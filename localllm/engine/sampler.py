@@ -11,16 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from localllm.engine.request import Request
-from localllm.kernels import cpu_native
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[num_seqs, vocab] fp32 -> [num_seqs] int64, the first index of each row's maximum
-    (NaN never wins). The native scan is about 8x faster than `argmax` on the CPU."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 \
-            and logits.stride(-1) == 1 and logits.shape[-1] > 0 and cpu_native.available():
-        return cpu_native.top_k(logits, 1)[:, 0]
-    return logits.nan_to_num(float("-inf")).argmax(-1)
+from localllm.layers.topk import argmax_rows, top_indices
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
@@ -77,10 +68,7 @@ def _draw(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
         # filter and draw among the k candidates only: the same distribution as filtering the
         # whole vocabulary (top-p and min-p see the renormalized top-k mass either way), at
         # ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k entries)
-        if top_k <= 64 and logits.device.type == "cpu" and cpu_native.available():
-            idx = cpu_native.top_k(logits[None], top_k)[0]
-        else:
-            idx = torch.topk(logits, top_k).indices
+        idx = top_indices(logits[None], top_k)[0]
         kept = filter_logits(logits[idx], 0, top_p, min_p)
         return int(idx[torch.multinomial(kept.softmax(-1), 1, generator=generator)])
     row = filter_logits(logits, top_k, top_p, min_p)
