@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger("localllm")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_int4.c", "cpu_ops.c", "cpu_layers.c"))
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
@@ -64,6 +66,17 @@ def _cpu_has(flags: tuple[str, ...]) -> bool:
 
 def _cpu_supports() -> bool:
     return _cpu_has(CPU_FLAGS)
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here without trying to build them, or None."""
+    if os.environ.get("LOCALLLM_NATIVE", "1") == "0":
+        return "LOCALLLM_NATIVE=0"
+    if not _cpu_supports():
+        return "the CPU lacks " + ", ".join(f for f in CPU_FLAGS if f not in _cpu_flags())
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        return "no C compiler (cc)"
+    return None
 
 
 def _cache_dir() -> Path:
@@ -101,14 +114,22 @@ def _build(cc: str) -> Path:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("LOCALLLM_NATIVE", "1") == "0" or not _cpu_supports():
+    why = unavailable_reason()
+    if why is not None:
+        log.info("native CPU kernels off (%s): PyTorch ops instead", why)
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
+    assert cc is not None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, subprocess.CalledProcessError):
+    except subprocess.CalledProcessError as e:
+        first = (e.stderr or "").strip().splitlines()[:1]
+        log.warning("native CPU kernels did not compile (%s): PyTorch ops instead (slower)",
+                    first[0] if first else f"{cc} exited with {e.returncode}")
+        return None
+    except OSError as e:
+        log.warning("native CPU kernels could not be built or loaded (%s): PyTorch ops "
+                    "instead (slower)", e)
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {

@@ -216,3 +216,18 @@ def test_int4_dequant_t(planes: int) -> None:
     assert wt.shape == (128, 128)
     bf16_close(wt, cn.int4_dequant_t_ref(w.packed, w.scales_zeros, planes))
     assert not wt[:, 96:].any()  # padding rows are zero weights
+
+
+def test_a_failed_build_falls_back_with_a_one_line_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # a compiler that fails: no library, PyTorch ops serve, and the log says why in one line
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'error: no such instruction' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("LOCALLLM_NATIVE_DIR", str(tmp_path / "build"))
+    with caplog.at_level("WARNING", logger="localllm"):
+        assert cn._library.__wrapped__() is None
+    assert "did not compile (error: no such instruction)" in caplog.text
+    assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written is left
