@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import sys
@@ -18,6 +17,7 @@ from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name
 from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.memory import glibc
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.formats import Int4Weight, Int8Weight
@@ -69,15 +69,6 @@ _RUN_MMAP_THRESHOLD = 32 << 20
 _RUN_TRIM_THRESHOLD = 64 << 20
 
 
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (both exist: glibc)
-        return libc
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
 @contextmanager
 def load_time_allocation() -> Iterator[None]:
     """While loading, every allocation of 256 KiB or more gets its own memory map, so freeing
@@ -87,7 +78,7 @@ def load_time_allocation() -> Iterator[None]:
     temporaries from the heap, which keeps them: repacking the default model's Q8_0 head left
     about 130 MB resident, and the whole load about 190 MB, until the end.
     """
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
     try:

@@ -19,9 +19,11 @@ from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutp
 from localllm.errors import RequestError
 from localllm.layers.topk import argmax_rows
 from localllm.loader import LoadedModel
+from localllm.memory import release_free_memory
 from localllm.text.detokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger("localllm")
+TRIM_AFTER_PROMPT_TOKENS = 256  # a step this large leaves workspace worth returning
 
 DEFAULT_KV_MEMORY = 1 << 30
 
@@ -138,6 +140,10 @@ class LLMEngine:
             return outputs
         sampled = self._run(out)
         self.scheduler.update(out, sampled, self.tokenizer.stop_ids)
+        if (sum(s.num_new_tokens for s in out.scheduled) >= TRIM_AFTER_PROMPT_TOKENS
+                and all(s.samples for s in out.scheduled) and not self.scheduler.waiting):
+            # the prompts are done and decode steps follow: hand their workspace back
+            release_free_memory()
         self.stats.record_step(out.num_tokens, len(out.preempted))
         for s in out.scheduled:
             req = s.request

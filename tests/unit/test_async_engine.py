@@ -217,3 +217,18 @@ def test_idle_loop_sleeps(llm: LLM, engine: AsyncLLMEngine) -> None:
     steps = engine.stats().steps
     time.sleep(0.2)
     assert engine.is_running and engine.stats().steps == steps
+
+
+def test_free_memory_is_returned_after_prompts_not_during_decode(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a step with >= 256 prompt tokens that finishes its prompts hands the workspace back
+    # once; the decode steps after it do not pay for a malloc_trim each
+    import localllm.engine.engine as engine_mod
+
+    calls: list[int] = []
+    monkeypatch.setattr(engine_mod, "release_free_memory", lambda: calls.append(1))
+    prompt = [1] + [(7 * i) % 200 + 10 for i in range(299)]
+    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))
+    assert calls == [1]
+    llm.generate([prompt[:20]], SamplingParams(max_tokens=8, temperature=0))
+    assert calls == [1]  # a short prompt leaves little to return
