@@ -78,14 +78,19 @@ def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -
     assert torch.equal(table.embed(ids), ref[ids].bfloat16())
 
 
+def quantized_linear_and_rows(kind: str, rows: int, seed: int) -> tuple[Linear, torch.Tensor]:
+    """A 128x128 bf16 Linear holding a WEIGHTS[kind] weight, and `rows` random inputs."""
+    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
+    lin.set_quantized(WEIGHTS[kind](128))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return lin, x
+
+
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -> None:
     # decode results must not depend on how many requests share the step (AMX, opt-in, trades
     # this for batch speed: test_cpu_native.py covers it)
-    w = WEIGHTS[kind](128)
-    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
-    lin.set_quantized(w)
-    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    lin, x = quantized_linear_and_rows(kind, 8, seed=2)
     amx = cpu_path == "native" and cpu_native.amx_enabled()
     if amx:
         cpu_native.set_amx(False)  # LOCALLLM_AMX=1 in the environment
@@ -147,10 +152,7 @@ def test_int8_with_offsets_and_32_columns_takes_the_packed_path() -> None:
 def test_decoding_rows_keep_the_kernel_beside_a_long_prompt(kind: str, cpu_path: str) -> None:
     # a step with 3 decoding sequences and a 77-token prompt chunk: the decoding rows get
     # exactly their results alone, the prompt rows the dense result
-    w = WEIGHTS[kind](128)
-    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
-    lin.set_quantized(w)
-    x = torch.randn(80, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    lin, x = quantized_linear_and_rows(kind, 80, seed=5)
     with decode_rows(3):
         y = lin(x)
     for i in range(3):
