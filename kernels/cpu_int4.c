@@ -1,17 +1,18 @@
 /* Int4 weight-only matmul for a few rows (decode), on PyTorch's packed int4 CPU layout.
  *
- * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / 32, n] + z[k / 32, n]),  k < planes * K
+ * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
+ * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K).
  *
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
  * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
- * high nibble. `sz` is bf16 [K2 / 32][n_pad][2]: (scale, zero) of each group and row.
+ * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row.
  * With two planes (grouped int8 split as q = 16 h + l), plane p reads x[k - p K].
  *
  * How it computes (AVX-512 BF16): one 64-byte load holds columns k and k+1 of a 64-row tile.
  * Each nibble c becomes the bf16 number 128 + c (bits 0x4300 | c: exact), laid out as (k, k+1)
  * pairs per row, so that `vdpbf16ps` adds x[k] (128 + c[n,k]) + x[k+1] (128 + c[n,k+1]) into
- * one fp32 lane per row. Per group of 32 columns, with a = that sum and sx = sum of x:
+ * one fp32 lane per row. Per group of gs columns, with a = that sum and sx = sum of x:
  *     sum_k x (c - 8) s + z x  =  s a + (z - 136 s) sx
  * Products of bf16 numbers are exact in fp32; sums are fp32. Rows are split across OpenMP
  * threads by tiles; this library links the libgomp that PyTorch already loaded (same soname),
@@ -75,7 +76,7 @@ static inline __m512 group_scale(const uint16_t *s, int r, float bias, __m512 *z
 static inline __attribute__((always_inline)) void tiles_rows(
     const uint8_t *tile, int64_t tile_bytes, const uint16_t *sz, int64_t sz_group_stride,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
-    const int NT, const int MR) {
+    const int NT, const int MR, const int GS) {
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
@@ -92,12 +93,12 @@ static inline __attribute__((always_inline)) void tiles_rows(
         for (int i = 0; i < NT; i++)
             for (int m = 0; m < MR; m++)
                 for (int r = 0; r < 4; r++) a[i][m][r] = _mm512_setzero_ps();
-        const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0); /* plane 1 reads x again */
-        for (int kp = 0; kp < GROUP / 2; kp++) {
+        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+        for (int kp = 0; kp < GS / 2; kp++) {
             int32_t pair[2];
             for (int m = 0; m < MR; m++) __builtin_memcpy(&pair[m], x + m * ldx + kx + 2 * kp, 4);
             for (int i = 0; i < NT; i++) {
-                const uint8_t *p = tile + i * tile_bytes + (g * GROUP + 2 * kp) * 32;
+                const uint8_t *p = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i w[4];
                 unpack_pairs(_mm512_loadu_si512(p), w);
@@ -129,9 +130,9 @@ static inline __attribute__((always_inline)) void tiles_rows(
 
 /* One 64-row tile for 4 rows of x: the same sums as tiles_rows, in the same order, with the
  * 16 group sums in registers and the running outputs in out[m][64] (fp32) instead. */
-static void tile_rows4(const uint8_t *tile, const uint16_t *sz, int64_t sz_group_stride,
-                       const uint16_t *x, int64_t ldx, int64_t K, int64_t groups,
-                       const float *xsum, float *out) {
+static inline __attribute__((always_inline)) void tile_rows4(
+    const uint8_t *tile, const uint16_t *sz, int64_t sz_group_stride, const uint16_t *x,
+    int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS) {
     for (int i = 0; i < 4 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
@@ -141,9 +142,9 @@ static void tile_rows4(const uint8_t *tile, const uint16_t *sz, int64_t sz_group
         __m512 a[4][4];
         for (int m = 0; m < 4; m++)
             for (int r = 0; r < 4; r++) a[m][r] = _mm512_setzero_ps();
-        const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0); /* plane 1 reads x again */
-        for (int kp = 0; kp < GROUP / 2; kp++) {
-            const uint8_t *p = tile + (g * GROUP + 2 * kp) * 32;
+        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+        for (int kp = 0; kp < GS / 2; kp++) {
+            const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
             _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
             __m512i w[4];
             unpack_pairs(_mm512_loadu_si512(p), w);
@@ -179,8 +180,8 @@ static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
 
 /* ---- AMX (Sapphire Rapids and later): the same sums with tile matmuls ----
  *
- * Per 64-row tile and group of 32 columns, the unpacked (k, k+1) pairs of four 16-row blocks
- * are exactly four B tiles of TDPBF16PS (16 pair rows x 16 columns); x's rows for the group
+ * Per 64-row tile and group of 32 columns (groups of 16 stay on AVX-512), the unpacked
+ * (k, k+1) pairs of four 16-row blocks are exactly four B tiles of TDPBF16PS (16 pair rows x 16 columns); x's rows for the group
  * are the A tile; C (x rows x 16 fp32) = sum x (128 + c), then the same epilogue as above.
  * Each output element is summed within one tile op whatever the number of rows, so a row's
  * result does not depend on its batch; once enabled, every call takes this path. */
@@ -296,30 +297,12 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 }
 
 /* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written). Returns 0, or -1 if out of memory. */
-int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy) {
-    const int64_t K2 = planes * K, groups = K2 / GROUP, tiles = n_pad / TILE;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
-    if (!xsum) return -1;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *xg = x + m * ldx + (g * GROUP) % K;
-            float acc = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                uint32_t bits = (uint32_t)xg[i] << 16;
-                float f;
-                __builtin_memcpy(&f, &bits, 4);
-                acc += f;
-            }
-            xsum[m * groups + g] = acc;
-        }
-    if (amx_enabled && M >= AMX_MIN_ROWS) {
-        amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
-        free(xsum);
-        return 0;
-    }
-    const int64_t tile_bytes = K2 * 32;
+/* The tiles of [t0, t1) for all M rows, with groups of GS columns. */
+static inline __attribute__((always_inline)) void tile_loop(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const uint16_t *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    int64_t ldy, const int GS) {
+    const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows four (then two, one) at a time */
     const int64_t step = M == 1 ? 2 : 1, units = (tiles + step - 1) / step;
@@ -334,13 +317,13 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *xm = x + m * ldx;
             const float *xs = xsum + m * groups;
             if (mr == 4)
-                tile_rows4(tile, s, n_pad * 2, xm, ldx, K, groups, xs, out);
+                tile_rows4(tile, s, n_pad * 2, xm, ldx, K, groups, xs, out, GS);
             else if (nt == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1, GS);
             else if (mr == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2, GS);
             else
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1, GS);
             /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
             for (int64_t i = 0; i < nt; i++) {
                 const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
@@ -352,27 +335,56 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             m += mr;
         }
     }
+}
+
+/* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written); groups of gs = 32 or 16 columns.
+ * Returns 0, -1 if out of memory, -2 for another group size. */
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs) {
+    if (gs != 32 && gs != 16) return -2;
+    const int64_t K2 = planes * K, groups = K2 / gs;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = x + m * ldx + (g * gs) % K;
+            float acc = 0.0f;
+            for (int i = 0; i < gs; i++) {
+                uint32_t bits = (uint32_t)xg[i] << 16;
+                float f;
+                __builtin_memcpy(&f, &bits, 4);
+                acc += f;
+            }
+            xsum[m * groups + g] = acc;
+        }
+    if (amx_enabled && M >= AMX_MIN_ROWS && gs == GROUP)
+        amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
+    else if (gs == 32)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32);
+    else
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16);
     free(xsum);
     return 0;
 }
 
 /* W^T in bf16 for a dense matmul over many rows (prefill): wt[k][n] = sum over planes of
- * (c[n, k] - 8) s[k / 32, n] + z[k / 32, n], summed in fp32 and rounded once, for k < K and
+ * (c[n, k] - 8) s[k / gs, n] + z[k / gs, n], summed in fp32 and rounded once, for k < K and
  * n < n_pad (the padded rows come out as 0). wt: bf16 [K][n_pad]. */
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
-                    int64_t planes, uint16_t *wt) {
+                    int64_t planes, uint16_t *wt, int64_t gs) {
     const int64_t K2 = planes * K, tiles = n_pad / TILE;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = packed + t * K2 * 32;
-        for (int64_t g = 0; g < K / GROUP; g++) {
+        for (int64_t g = 0; g < K / gs; g++) {
             __m512 sc[2][4], zz[2][4];
             for (int64_t p = 0; p < planes; p++) {
-                const uint16_t *s = sz + ((p * K / GROUP + g) * n_pad + t * TILE) * 2;
+                const uint16_t *s = sz + ((p * K / gs + g) * n_pad + t * TILE) * 2;
                 for (int r = 0; r < 4; r++) /* the weight is c s + (z - 8 s) */
                     sc[p][r] = group_scale(s, r, 8.0f, &zz[p][r]);
             }
-            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
                 __m512 w[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                                _mm512_setzero_ps()};
                 for (int64_t p = 0; p < planes; p++) {

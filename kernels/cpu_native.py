@@ -46,6 +46,7 @@ CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-mavx512f
           "-mamx-bf16",
           *os.environ.get("LOCALLLM_NATIVE_CFLAGS", "").split())
 TILE, GROUP = 64, 32
+GROUP_SIZES = (32, 16)  # the kernels' groups of columns; the scales' shape tells which
 
 
 @cache
@@ -133,8 +134,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64], ctypes.c_int),
-        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr], None),
+        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64], ctypes.c_int),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
         "silu_mul": ([ptr, i64, i64, i64, ptr], None),
@@ -183,15 +184,17 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     """x @ W.T for a packed int4 weight (`CpuPackedWeight` layout); call `available()` first.
 
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
-    scales_zeros: bf16 [planes * in / 32, out_padded, 2] -> bf16 [M, out_features]."""
+    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns
+    -> bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None, "native kernels are not available"
     m, k = x.shape
     n_pad = packed.shape[0]
+    gs = group_size_of(scales_zeros, planes * k)
     if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
             or not packed.is_contiguous() or not scales_zeros.is_contiguous()
-            or packed.shape[1] * 2 != planes * k or k % GROUP or n_pad % TILE
-            or scales_zeros.shape != (planes * k // GROUP, n_pad, 2)
+            or packed.shape[1] * 2 != planes * k or k % 32 or n_pad % TILE or gs is None
+            or scales_zeros.shape != (planes * k // gs, n_pad, 2)
             or not 0 < out_features <= n_pad):
         raise ValueError(f"int4_mm: bad operands x {tuple(x.shape)} {x.dtype}, packed "
                          f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)}, "
@@ -199,9 +202,16 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m and lib.int4_mm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
                          scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
-                         out_features):
+                         out_features, gs):
         raise MemoryError("int4_mm: out of memory")
     return y
+
+
+def group_size_of(scales_zeros: torch.Tensor, k2: int) -> int | None:
+    """The group size (32 or 16) of a packed weight's [K2 / gs, out, 2] scales, or None."""
+    groups = scales_zeros.shape[0] if scales_zeros.dim() == 3 else 0
+    gs = k2 // groups if groups and k2 % groups == 0 else 0
+    return gs if gs in GROUP_SIZES else None
 
 
 def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int) -> torch.Tensor:
@@ -210,15 +220,16 @@ def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int
     lib = _library()
     assert lib is not None
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    gs = group_size_of(scales_zeros, k2)
     if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
             and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
-            and planes in (1, 2) and k2 % (planes * GROUP) == 0
-            and scales_zeros.shape == (k2 // GROUP, n_pad, 2)):
+            and planes in (1, 2) and gs is not None and k2 % (planes * 32) == 0
+            and scales_zeros.shape == (k2 // gs, n_pad, 2)):
         raise ValueError("int4_dequant_t: bad operands")
     k = k2 // planes
     wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr())
+                       wt.data_ptr(), gs)
     return wt
 
 
@@ -236,9 +247,10 @@ def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Ten
     b = packed.view(n_pad // TILE, k2, TILE // 2)
     codes = torch.stack((b & 15, b >> 4), dim=2)  # [tiles, K2, 2, 32]: rows 64t + 32h + j
     codes = codes.permute(0, 2, 3, 1).reshape(n_pad, k2).float()
-    sz = scales_zeros.float()  # [K2 / 32, n_pad, 2]
-    scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [n_pad, K2]
-    zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
+    gs = k2 // scales_zeros.shape[0]
+    sz = scales_zeros.float()  # [K2 / gs, n_pad, 2]
+    scale = sz[..., 0].t().repeat_interleave(gs, dim=1)  # [n_pad, K2]
+    zero = sz[..., 1].t().repeat_interleave(gs, dim=1)
     return (codes - 8.0) * scale + zero
 
 
@@ -433,7 +445,7 @@ def top_k_ref(x: torch.Tensor, k: int) -> torch.Tensor:
 class _PackedWeight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("out_padded", ctypes.c_int64),
-                ("planes", ctypes.c_int64)]
+                ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -453,10 +465,11 @@ class _DecoderDims(ctypes.Structure):
 class PackedLinear:
     """One packed int4 weight as `int4_mm` takes it."""
     packed: torch.Tensor  # uint8 [out_padded, planes * in / 2]
-    scales_zeros: torch.Tensor  # bf16 [planes * in / 32, out_padded, 2]
+    scales_zeros: torch.Tensor  # bf16 [planes * in / group_size, out_padded, 2]
     in_features: int
     out_features: int
     planes: int
+    group_size: int = GROUP
 
     def check(self, name: str, in_features: int, out_features: int) -> None:
         n_pad = self.packed.shape[0]
@@ -464,15 +477,18 @@ class PackedLinear:
                 and self.packed.dtype == torch.uint8 and self.packed.is_contiguous()
                 and self.scales_zeros.dtype == torch.bfloat16
                 and self.scales_zeros.is_contiguous() and n_pad % TILE == 0
-                and out_features <= n_pad and in_features % GROUP == 0
+                and out_features <= n_pad and in_features % 32 == 0
+                and self.group_size in GROUP_SIZES
                 and self.packed.shape[1] * 2 == self.planes * in_features
-                and self.scales_zeros.shape == (self.planes * in_features // GROUP, n_pad, 2)):
+                and self.scales_zeros.shape == (self.planes * in_features // self.group_size,
+                                                n_pad, 2)):
             raise ValueError(f"DecoderStack: {name} is not a packed [{out_features}, "
                              f"{in_features}] weight")
 
     def struct(self) -> _PackedWeight:
         return _PackedWeight(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
-                             self.out_features, self.packed.shape[0], self.planes)
+                             self.out_features, self.packed.shape[0], self.planes,
+                             self.group_size)
 
 
 @dataclass(frozen=True)

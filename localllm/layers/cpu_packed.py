@@ -9,7 +9,8 @@ nibble:
     packed.view(N / 64, K, 32)[t, k, j]:   bit 7           4 3           0
                                               [ c[64t+32+j, k] | c[64t+j, k] ]
 
-Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales):
+Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales), and so do
+groups of 16 (Q2_K, Q3_K, Q6_K), which only the native kernel (`kernels/cpu_int4.c`) runs:
 
     Int4Weight (one plane):  c = q,  zero = offset + 8 * scale  (offset = -8 * scale if none)
     Int8Weight (two planes): q = 16 * h + l with h = q >> 4 in -8..7 and l = q & 15 in 0..15;
@@ -39,7 +40,7 @@ from localllm.kernels import cpu_native
 from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
 TILE = 64  # rows per tile of the packed layout
-GROUP = 32  # the only group size both formats and the kernel share
+GROUP = 32  # the group size PyTorch's int4 kernel and the native one share
 # At or below this many rows the few-rows kernel beats dequantize + dense matmul. Default model
 # shapes, 2 cores: the native kernel on the 3072x576 gate/up weight 205 us at 8 rows, 395 us at
 # 16, 578 us at 24 vs 460 us dequantized; PyTorch's int4 kernel (per plane) 1.4 ms at 512 rows
@@ -89,13 +90,19 @@ def split_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]
 PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
 
 
+def packed_group_sizes() -> tuple[int, ...]:
+    """Group sizes a packed weight may have here: 32 (PyTorch's int4 kernel and the native
+    one), and 16 (Q2_K, Q3_K, Q6_K) where the native kernels run."""
+    return (GROUP, 16) if cpu_native.available() else (GROUP,)
+
+
 def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
     """Whether `w` can be held packed for CPU compute in `dtype` (bf16 only)."""
     if dtype != torch.bfloat16 or w.in_features % GROUP:
         return False
     if isinstance(w, Int4Weight):
-        return w.codebook is None and w.group_size == GROUP
-    return w.group_size == GROUP or (w.per_channel and w.offsets is None)
+        return w.codebook is None and w.group_size in packed_group_sizes()
+    return w.group_size in packed_group_sizes() or (w.per_channel and w.offsets is None)
 
 
 def _codes(w: Int4Weight | Int8Weight, start: int, end: int) -> torch.Tensor:
@@ -140,11 +147,13 @@ class CpuPackedWeight:
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
                  in_features: int, planes: int,
-                 exact: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+                 exact: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 group_size: int = GROUP) -> None:
         self.packed = packed  # uint8 [out_padded, planes * in / 2]
-        self.scales_zeros = scales_zeros  # bf16 [planes * in / 32, out_padded, 2]
-        # the source's own scales and offsets [out, in / 32], for exact `rows`
+        self.scales_zeros = scales_zeros  # bf16 [planes * in / group_size, out_padded, 2]
+        # the source's own scales and offsets [out, in / group_size], for exact `rows`
         self.exact = exact
+        self.group_size = group_size  # 32, or 16 (native kernels only)
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
@@ -169,28 +178,30 @@ class CpuPackedWeight:
         n_pad = out + (-out % TILE)
         packed = sz = None
         exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        planes = 1
+        planes, group_size = 1, GROUP
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
         for r in range(0, n_pad, PACK_ROWS):
             end = min(r + PACK_ROWS, n_pad)
             w = source(r, min(end, out))
-            if not cpu_packable(w, dtype) or w.group_size != GROUP:
+            if not cpu_packable(w, dtype) or w.group_size not in packed_group_sizes():
                 raise ValueError("this weight format has no packed int4 CPU layout")
             if packed is None or sz is None:
                 planes = 1 if isinstance(w, Int4Weight) else 2
-                groups = w.in_features // GROUP
+                group_size = w.group_size
+                groups = w.in_features // group_size
                 packed = torch.empty(n_pad, planes * w.in_features // 2, dtype=torch.uint8)
                 sz = torch.zeros(planes * groups, n_pad, 2, dtype=dtype)  # padding: weight 0
                 if exact_rows:
                     exact = (w.scales.new_empty(out, groups),
                              None if w.offsets is None else w.offsets.new_empty(out, groups))
             elif (1 if isinstance(w, Int4Weight) else 2) != planes \
-                    or packed.shape[1] * 2 != planes * w.in_features:
+                    or packed.shape[1] * 2 != planes * w.in_features \
+                    or w.group_size != group_size:
                 raise ValueError("the rows of one weight changed format")
             packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 _codes(w, 0, end - r).to(torch.int32), 1)
-            scales, zeros = _scales_zeros(w)  # [rows, planes * in / 32] each
+            scales, zeros = _scales_zeros(w)  # [rows, planes * in / group_size] each
             stop = r + w.out_features
             sz[:, r:stop, 0] = scales.t()
             sz[:, r:stop, 1] = zeros.t()
@@ -199,7 +210,7 @@ class CpuPackedWeight:
                 if exact[1] is not None and w.offsets is not None:
                     exact[1][r:stop] = w.offsets
         assert packed is not None and sz is not None
-        return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact)
+        return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact, group_size)
 
     @staticmethod
     def concat(parts: list[CpuPackedWeight]) -> CpuPackedWeight | None:
@@ -207,12 +218,12 @@ class CpuPackedWeight:
         their layouts cannot be stacked (padded rows, different planes or input sizes)."""
         first = parts[0]
         if any(p.planes != first.planes or p.in_features != first.in_features
-               or p.out_features % TILE for p in parts):
+               or p.group_size != first.group_size or p.out_features % TILE for p in parts):
             return None
         return CpuPackedWeight(torch.cat([p.packed for p in parts]),
                                torch.cat([p.scales_zeros for p in parts], dim=1),
                                sum(p.out_features for p in parts), first.in_features,
-                               first.planes)
+                               first.planes, group_size=first.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -228,6 +239,8 @@ class CpuPackedWeight:
         if cpu_native.available():
             return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
                                       self.planes)
+        if self.group_size != GROUP:  # PyTorch's kernel has no groups of 16
+            return x @ self.dense_t()
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
                                                         self.scales_zeros)
@@ -247,9 +260,10 @@ class CpuPackedWeight:
         wt = torch.empty(k2, n_pad // TILE, 2, half, dtype=self.scales_zeros.dtype)
         wt[:, :, 0].copy_(((b << 4) >> 4).permute(1, 0, 2))
         wt[:, :, 1].copy_((b >> 4).permute(1, 0, 2))
-        groups = wt.view(k2 // GROUP, GROUP, n_pad)
+        gs = self.group_size
+        groups = wt.view(k2 // gs, gs, n_pad)
         # contiguous copies of the (small) scales and zeros: strided ones make addcmul 3x slower
-        scale = self.scales_zeros[..., 0].unsqueeze(1).contiguous()  # [K / 32, 1, out_padded]
+        scale = self.scales_zeros[..., 0].unsqueeze(1).contiguous()  # [K / gs, 1, out_padded]
         zero = self.scales_zeros[..., 1].unsqueeze(1).contiguous()
         torch.addcmul(zero, groups, scale, out=groups)  # (c - 8) * scale + zero
         w = wt.view(k2, n_pad)
@@ -264,9 +278,10 @@ class CpuPackedWeight:
         half = TILE // 2
         b = self.packed.view(-1, k2, half)[ids // TILE, :, ids % half]  # [T, planes * in]
         c = torch.where((ids % TILE < half).unsqueeze(1), b & 15, b >> 4).float()
+        gs = self.group_size
         if self.exact is None:
-            sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / 32, 2]
-            w = ((c - 8.0).view(t, k2 // GROUP, GROUP) * sz[..., :1] + sz[..., 1:]).view(t, k2)
+            sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
+            w = ((c - 8.0).view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
         scales, offsets = self.exact
         if self.planes == 2:
@@ -274,7 +289,7 @@ class CpuPackedWeight:
         else:
             q = c if offsets is not None else c - 8.0
         # the operation order of Int4Weight / Int8Weight.dequantize: scale * q (+ offset)
-        w = q.view(t, -1, GROUP) * scales[ids].float().unsqueeze(-1)
+        w = q.view(t, -1, gs) * scales[ids].float().unsqueeze(-1)
         if offsets is not None:
             w = w + offsets[ids].float().unsqueeze(-1)
         return w.view(t, self.in_features)

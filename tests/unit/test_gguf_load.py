@@ -215,15 +215,18 @@ def test_bf16_logits_of_the_best_tokens_are_exact(tmp_path: Path, tied: bool) ->
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q3_K])
 def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path: str) -> None:
     # the fast path (packed weights, bf16; on machines with the native kernels, one call per
-    # decode step) against fp32 math on the same weights, for a prompt and for decode steps
-    spec = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, qtype=qtype)
+    # decode step, and K-quants with groups of 16 stay packed too) against fp32 math on the
+    # same weights, for a prompt and for decode steps
+    size = 256 if block_size(qtype) == 256 else 128
+    spec = ModelSpec(hidden=size, ffn=size, heads=4, kv_heads=2, qtype=qtype)
     written = write_model(tmp_path / "m.gguf", spec)
     ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
     model = load_gguf(written.path, torch.bfloat16).model
-    assert model.layers[0].self_attn.qkv_proj.quantized
+    group16 = qtype in (QT.Q6_K, QT.Q3_K)
+    assert model.layers[0].self_attn.qkv_proj.quantized == (not group16 or cpu_path == "native")
     scale = float(ref.abs().max())
     for chunk in (0, 1):
         got = prompt_logits(model, PROMPT * 4, chunk=chunk)

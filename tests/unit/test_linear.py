@@ -14,20 +14,22 @@ from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
 from localllm.quant.quantize import quantize_int8
 
 
-def random_int4(out: int, inp: int, offsets: bool, seed: int = 0) -> Int4Weight:
+def random_int4(out: int, inp: int, offsets: bool, seed: int = 0,
+                group: int = 32) -> Int4Weight:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(out, inp // 32, generator=g) * 0.02 + 0.001).half()
-    offs = (torch.randn(out, inp // 32, generator=g) * 0.05).half() if offsets else None
-    return Int4Weight(pack_nibbles(codes), scales, offs, 32)
+    scales = (torch.rand(out, inp // group, generator=g) * 0.02 + 0.001).half()
+    offs = (torch.randn(out, inp // group, generator=g) * 0.05).half() if offsets else None
+    return Int4Weight(pack_nibbles(codes), scales, offs, group)
 
 
-def random_int8(out: int, inp: int, offsets: bool, seed: int = 0) -> Int8Weight:
+def random_int8(out: int, inp: int, offsets: bool, seed: int = 0,
+                group: int = 32) -> Int8Weight:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8)
-    scales = (torch.rand(out, inp // 32, generator=g) * 0.002 + 1e-4).half()
-    offs = (torch.randn(out, inp // 32, generator=g) * 0.05).half() if offsets else None
-    return Int8Weight(q, scales, offs, 32)
+    scales = (torch.rand(out, inp // group, generator=g) * 0.002 + 1e-4).half()
+    offs = (torch.randn(out, inp // group, generator=g) * 0.05).half() if offsets else None
+    return Int8Weight(q, scales, offs, group)
 
 
 WEIGHTS = {
@@ -113,14 +115,15 @@ def test_int8_planes_reproduce_every_code_exactly() -> None:
     assert torch.equal(packed.rows(torch.arange(64)), q.float())
 
 
-def test_unsupported_formats_are_refused() -> None:
+def test_unsupported_formats_are_refused(cpu_path: str) -> None:
     w = random_int4(64, 64, offsets=True)
     assert not quantized_cpu_supported(w, torch.float32)  # fp32 stays dense and exact
     lin = Linear(64, 64, bias=False, dtype=torch.float32)
     with pytest.raises(ValueError, match="no quantized CPU path"):
         lin.set_quantized(w)
     g16 = Int4Weight(w.qweight, w.scales.repeat_interleave(2, 1), None, 16)
-    assert not quantized_cpu_supported(g16, torch.bfloat16)
+    # groups of 16 (Q2_K, Q3_K, Q6_K): only the native kernels have them
+    assert quantized_cpu_supported(g16, torch.bfloat16) == (cpu_path == "native")
     nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
     assert not quantized_cpu_supported(nf4, torch.bfloat16)
     assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)
