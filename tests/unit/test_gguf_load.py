@@ -233,6 +233,32 @@ def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path
         assert float((got - ref).abs().max()) <= 0.03 * scale
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; per-head Q/K norms
+def test_bf16_packed_decode_of_other_architectures(tmp_path: Path, arch: str,
+                                                   cpu_path: str) -> None:
+    # these take the per-op path (the one-call step has no biases or Q/K norms), with the
+    # native norms, RoPE and attention where available
+    spec = ModelSpec(arch=arch, hidden=128, ffn=128, heads=4, kv_heads=2, qtype=QT.Q8_0)
+    written = write_model(tmp_path / "m.gguf", spec)
+    ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
+    model = load_gguf(written.path, torch.bfloat16).model
+    scale = float(ref.abs().max())
+    for chunk in (0, 1):
+        got = prompt_logits(model, PROMPT * 4, chunk=chunk)
+        assert float((got - ref).abs().max()) <= 0.03 * scale
+
+
+def test_bf16_packed_decode_with_wide_heads_and_gqa(tmp_path: Path, cpu_path: str) -> None:
+    # head_dim 128 and 4 query heads per KV head (Llama-7B-like heads) through the one-call
+    # decode step where the native kernels run
+    spec = ModelSpec(hidden=512, ffn=256, heads=4, kv_heads=1, qtype=QT.Q4_0)
+    written = write_model(tmp_path / "m.gguf", spec)
+    ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
+    model = load_gguf(written.path, torch.bfloat16).model
+    got = prompt_logits(model, PROMPT * 4, chunk=1)
+    assert float((got - ref).abs().max()) <= 0.03 * float(ref.abs().max())
+
+
 def test_untied_output_is_its_own_tensor(good: WrittenModel) -> None:
     m = load(good.path).model
     assert m.lm_head.weight.data_ptr() != m.embed_tokens.weight.data_ptr()
