@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from gguf import GGMLQuantizationType
 
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
@@ -21,7 +24,7 @@ from localllm.memory import glibc
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.formats import Int4Weight, Int8Weight
-from localllm.quant.repack import repack
+from localllm.quant.repack import DENSE_TYPES, repack
 from localllm.text.tokenizer import Tokenizer
 
 ProgressFn = Callable[[int, int], None]
@@ -120,6 +123,7 @@ def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausal
         raise ModelLoadError(f"{src}: missing tensors for {', '.join(missing[:3])}{more}")
 
 
+log = logging.getLogger("localllm")
 _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                      "tokenizer.ggml.token_type")
 
@@ -152,6 +156,26 @@ def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo, gf: GG
 
     module.set_quantized_rows(rows)
     return True
+
+
+def _warn_unpacked(src: str, unpacked: dict[int, list[TensorInfo]], dtype: torch.dtype) -> None:
+    """One line per quantized type that had to be dequantized to the compute dtype: what it
+    costs in memory (and that its matmuls run dense)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    for qtype, infos in unpacked.items():
+        stored = sum(int(info.data.nbytes) for info in infos)
+        dense = sum(math.prod(info.shape) * itemsize for info in infos)
+        log.warning("%s: %d tensor(s) of type %s have no packed CPU format here: dequantized "
+                    "to %s at load, %.1f MiB instead of %.1f MiB (%.1fx), with dense matmuls",
+                    Path(src).name, len(infos), _type_name(qtype), str(dtype).split(".")[-1],
+                    dense / 2**20, stored / 2**20, dense / max(stored, 1))
+
+
+def _type_name(qtype: int) -> str:
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
@@ -189,6 +213,7 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         raise ModelLoadError(f"{src}: cannot allocate the model ({e})") from None
     params = dict(model.named_parameters(remove_duplicate=False))
     infos = list(gf)
+    unpacked: dict[int, list[TensorInfo]] = {}  # quantized tensors stored dense, by type
     for i, info in enumerate(infos):
         name = module_name(info.name)
         if name == "rope.freq_factors":
@@ -196,9 +221,12 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         elif name is not None and name in params:
             if not (quantized and _keep_quantized(model, name, info, gf, dtype)):
                 params[name].data.copy_(dequantize(info, src))
+                if quantized and info.qtype not in DENSE_TYPES:
+                    unpacked.setdefault(info.qtype, []).append(info)
         gf.release(info)
         if progress is not None:
             progress(i + 1, len(infos))
+    _warn_unpacked(src, unpacked, dtype)
     model.fuse_projections()
     model.eval()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

@@ -620,3 +620,22 @@ def test_cli_tokenize_good_model(good: WrittenModel, capsys: pytest.CaptureFixtu
     ids = [int(x) for x in out.split()]
     assert ids[0] == BOS_ID and len(ids) > 1
     assert all(0 <= i < VOCAB_SIZE for i in ids)
+
+
+def test_types_without_a_packed_format_load_dense_with_one_warning(
+        tmp_path: Path, cpu_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    # IQ4_NL (a codebook) has no packed CPU format: its weights are dequantized to bf16, and
+    # the load says so once for the type, with what it costs
+    spec = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, qtype=QT.IQ4_NL)
+    written = write_model(tmp_path / "m.gguf", spec)
+    with caplog.at_level("WARNING", logger="localllm"):
+        model = load_gguf(written.path, torch.bfloat16).model
+    lines = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
+    assert len(lines) == 1
+    assert "have no packed CPU format here: dequantized to bfloat16" in lines[0]
+    assert "(3.6x)" in lines[0]  # 16 bits a weight instead of 4.5
+    assert not model.layers[0].self_attn.qkv_proj.quantized
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="localllm"):
+        load_gguf(written.path, torch.float32)  # fp32 dequantizes everything by request
+    assert not [r for r in caplog.records if "no packed CPU format" in r.getMessage()]
