@@ -1,7 +1,8 @@
 /* Int4 weight-only matmul for a few rows (decode), on PyTorch's packed int4 CPU layout.
  *
  * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
- * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K).
+ * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K);
+ * codebook weights (IQ4_NL, IQ4_XS) use lut[c] in place of c - 8.
  *
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
  * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
@@ -57,6 +58,30 @@ static inline __attribute__((always_inline)) void unpack_pairs(__m512i b, __m512
     w[3] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, hi);
 }
 
+/* The same four vectors for a codebook weight (IQ4_NL, IQ4_XS): each code c becomes lut[c], a
+ * bf16 value (the codebook is exact in bf16: integers), and the epilogue adds no bias. */
+static inline __attribute__((always_inline)) void unpack_pairs_lut(__m512i b, __m512i w[4],
+                                                                   __m512i lut) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
+    const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
+    const __m512i lo = _mm512_and_si512(b, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    /* 16-bit lanes holding the codes, then a 16-entry table lookup (vpermw) */
+    w[0] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, lo), lut);
+    w[1] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, lo), lut);
+    w[2] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, hi), lut);
+    w[3] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, hi), lut);
+}
+
+static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4],
+                                                         const int USE_LUT, __m512i lut) {
+    if (USE_LUT)
+        unpack_pairs_lut(b, w, lut);
+    else
+        unpack_pairs(b, w);
+}
+
 /* Scale of rows 16r..16r+15 of a tile for one group, from the bf16 (scale, zero) pairs at s
  * (32-bit lane j: the scale in its low half, the zero in its high half); *zero_adj gets
  * zero - bias * scale. */
@@ -76,7 +101,7 @@ static inline __m512 group_scale(const uint16_t *s, int r, float bias, __m512 *z
 static inline __attribute__((always_inline)) void tiles_rows(
     const uint8_t *tile, int64_t tile_bytes, const uint16_t *sz, int64_t sz_group_stride,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
-    const int NT, const int MR, const int GS) {
+    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut) {
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
@@ -101,7 +126,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
                 const uint8_t *p = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i w[4];
-                unpack_pairs(_mm512_loadu_si512(p), w);
+                unpack(_mm512_loadu_si512(p), w, USE_LUT, lut);
                 for (int m = 0; m < MR; m++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
                     for (int r = 0; r < 4; r++)
@@ -113,7 +138,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
             const uint16_t *s = sz + g * sz_group_stride + i * TILE * 2;
             for (int r = 0; r < 4; r++) {
                 __m512 zz; /* z - 136 s */
-                const __m512 sc = group_scale(s, r, 136.0f, &zz);
+                const __m512 sc = group_scale(s, r, USE_LUT ? 0.0f : 136.0f, &zz);
                 for (int m = 0; m < MR; m++) {
                     y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
                     y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
@@ -132,7 +157,8 @@ static inline __attribute__((always_inline)) void tiles_rows(
  * 16 group sums in registers and the running outputs in out[m][64] (fp32) instead. */
 static inline __attribute__((always_inline)) void tile_rows4(
     const uint8_t *tile, const uint16_t *sz, int64_t sz_group_stride, const uint16_t *x,
-    int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS) {
+    int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
+    const int USE_LUT, __m512i lut) {
     for (int i = 0; i < 4 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
@@ -147,7 +173,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
             const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
             _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
             __m512i w[4];
-            unpack_pairs(_mm512_loadu_si512(p), w);
+            unpack(_mm512_loadu_si512(p), w, USE_LUT, lut);
             for (int m = 0; m < 4; m++) {
                 int32_t pair;
                 __builtin_memcpy(&pair, x + m * ldx + kx + 2 * kp, 4);
@@ -159,7 +185,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
         const uint16_t *s = sz + g * sz_group_stride;
         for (int r = 0; r < 4; r++) {
             __m512 zz; /* z - 136 s */
-            const __m512 sc = group_scale(s, r, 136.0f, &zz);
+            const __m512 sc = group_scale(s, r, USE_LUT ? 0.0f : 136.0f, &zz);
             for (int m = 0; m < 4; m++) {
                 float *o = out + m * TILE + 16 * r;
                 __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
@@ -301,7 +327,7 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const uint16_t *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, const int GS) {
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut) {
     const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows four (then two, one) at a time */
@@ -317,13 +343,16 @@ static inline __attribute__((always_inline)) void tile_loop(
             const uint16_t *xm = x + m * ldx;
             const float *xs = xsum + m * groups;
             if (mr == 4)
-                tile_rows4(tile, s, n_pad * 2, xm, ldx, K, groups, xs, out, GS);
+                tile_rows4(tile, s, n_pad * 2, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut);
             else if (nt == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1, GS);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1, GS,
+                           USE_LUT, lut);
             else if (mr == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2, GS);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2, GS,
+                           USE_LUT, lut);
             else
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1, GS);
+                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1, GS,
+                           USE_LUT, lut);
             /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
             for (int64_t i = 0; i < nt; i++) {
                 const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
@@ -337,11 +366,12 @@ static inline __attribute__((always_inline)) void tile_loop(
     }
 }
 
-/* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written); groups of gs = 32 or 16 columns.
+/* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written); groups of gs = 32 or 16 columns;
+ * lut: NULL (weights (c - 8) s + z) or 16 bf16 codebook values (weights lut[c] s + z).
  * Returns 0, -1 if out of memory, -2 for another group size. */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs) {
+            int64_t ldy, int64_t gs, const uint16_t *lut) {
     if (gs != 32 && gs != 16) return -2;
     const int64_t K2 = planes * K, groups = K2 / gs;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
@@ -358,21 +388,35 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             }
             xsum[m * groups + g] = acc;
         }
-    if (amx_enabled && M >= AMX_MIN_ROWS && gs == GROUP)
+    const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
+    if (amx_enabled && M >= AMX_MIN_ROWS && gs == GROUP && !lut)
         amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
+    else if (gs == 32 && !lut)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv);
+    else if (gs == 16 && !lut)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv);
     else if (gs == 32)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv);
     else
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv);
     free(xsum);
     return 0;
+}
+
+/* 16 bf16 values -> fp32 (exact) */
+static inline __m512 load_lut_f32(const uint16_t *lut) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)lut);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 /* W^T in bf16 for a dense matmul over many rows (prefill): wt[k][n] = sum over planes of
  * (c[n, k] - 8) s[k / gs, n] + z[k / gs, n], summed in fp32 and rounded once, for k < K and
  * n < n_pad (the padded rows come out as 0). wt: bf16 [K][n_pad]. */
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
-                    int64_t planes, uint16_t *wt, int64_t gs) {
+                    int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut) {
+    /* codebook weights: lut[c] s + z; others (c - 8) s + z = c s + (z - 8 s) */
+    const __m512 lutf = lut ? load_lut_f32(lut) : _mm512_setzero_ps();
+    const float bias = lut ? 0.0f : 8.0f;
     const int64_t K2 = planes * K, tiles = n_pad / TILE;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -381,8 +425,8 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
             __m512 sc[2][4], zz[2][4];
             for (int64_t p = 0; p < planes; p++) {
                 const uint16_t *s = sz + ((p * K / gs + g) * n_pad + t * TILE) * 2;
-                for (int r = 0; r < 4; r++) /* the weight is c s + (z - 8 s) */
-                    sc[p][r] = group_scale(s, r, 8.0f, &zz[p][r]);
+                for (int r = 0; r < 4; r++)
+                    sc[p][r] = group_scale(s, r, bias, &zz[p][r]);
             }
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
                 __m512 w[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
@@ -394,7 +438,9 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
                     const __m128i q[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
                                           _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
                     for (int r = 0; r < 4; r++) {
-                        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[r]));
+                        const __m512i ci = _mm512_cvtepu8_epi32(q[r]);
+                        const __m512 c = lut ? _mm512_permutexvar_ps(ci, lutf)
+                                             : _mm512_cvtepi32_ps(ci);
                         const __m512 v = _mm512_fmadd_ps(c, sc[p][r], zz[p][r]);
                         w[r] = p ? _mm512_add_ps(w[r], v) : v;
                     }

@@ -134,8 +134,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64], ctypes.c_int),
-        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64], None),
+        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr],
+                    ctypes.c_int),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
         "silu_mul": ([ptr, i64, i64, i64, ptr], None),
@@ -179,13 +180,22 @@ def available() -> bool:
     return _library() is not None
 
 
+def _lut_ptr(lut: torch.Tensor | None) -> int | None:
+    if lut is None:
+        return None
+    if lut.shape != (16,) or lut.dtype != torch.bfloat16 or not lut.is_contiguous():
+        raise ValueError("a codebook must be bf16 [16], contiguous")
+    return lut.data_ptr()
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-            out_features: int, planes: int) -> torch.Tensor:
+            out_features: int, planes: int, lut: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T for a packed int4 weight (`CpuPackedWeight` layout); call `available()` first.
 
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
-    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns
-    -> bf16 [M, out_features]."""
+    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns;
+    lut: None, or the bf16 [16] codebook of an IQ4 weight (weights lut[c] s + z instead of
+    (c - 8) s + z) -> bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None, "native kernels are not available"
     m, k = x.shape
@@ -202,7 +212,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m and lib.int4_mm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
                          scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
-                         out_features, gs):
+                         out_features, gs, _lut_ptr(lut)):
         raise MemoryError("int4_mm: out of memory")
     return y
 
@@ -214,7 +224,8 @@ def group_size_of(scales_zeros: torch.Tensor, k2: int) -> int | None:
     return gs if gs in GROUP_SIZES else None
 
 
-def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int) -> torch.Tensor:
+def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
+                   lut: torch.Tensor | None = None) -> torch.Tensor:
     """W.T of a packed int4 weight in bf16, [in, out_padded] (padded rows are 0): for one dense
     matmul over many rows. Planes are summed in fp32 and rounded once."""
     lib = _library()
@@ -229,19 +240,20 @@ def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int
     k = k2 // planes
     wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr(), gs)
+                       wt.data_ptr(), gs, _lut_ptr(lut))
     return wt
 
 
-def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor,
-                       planes: int) -> torch.Tensor:
+def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
+                       lut: torch.Tensor | None = None) -> torch.Tensor:
     k2 = packed.shape[1] * 2
-    w = _dequant_fp32(packed, scales_zeros)  # [n_pad, K2]
+    w = _dequant_fp32(packed, scales_zeros, lut)  # [n_pad, K2]
     k = k2 // planes
     return sum(w[:, p * k:(p + 1) * k] for p in range(planes)).t().to(torch.bfloat16)
 
 
-def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  lut: torch.Tensor | None = None) -> torch.Tensor:
     """[n_pad, K2] fp32 weights of the packed layout, planes side by side."""
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     b = packed.view(n_pad // TILE, k2, TILE // 2)
@@ -251,13 +263,14 @@ def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Ten
     sz = scales_zeros.float()  # [K2 / gs, n_pad, 2]
     scale = sz[..., 0].t().repeat_interleave(gs, dim=1)  # [n_pad, K2]
     zero = sz[..., 1].t().repeat_interleave(gs, dim=1)
-    return (codes - 8.0) * scale + zero
+    values = codes - 8.0 if lut is None else lut.float()[codes.long()]
+    return values * scale + zero
 
 
 def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                out_features: int, planes: int) -> torch.Tensor:
+                out_features: int, planes: int, lut: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch reference of `int4_mm`: dequantize to fp32, multiply, round to bf16."""
-    w = _dequant_fp32(packed, scales_zeros)
+    w = _dequant_fp32(packed, scales_zeros, lut)
     xin = x.float() if planes == 1 else torch.cat([x.float()] * planes, dim=1)
     return (xin @ w.t())[:, :out_features].to(torch.bfloat16)
 
@@ -445,7 +458,8 @@ def top_k_ref(x: torch.Tensor, k: int) -> torch.Tensor:
 class _PackedWeight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("out_padded", ctypes.c_int64),
-                ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64)]
+                ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64),
+                ("lut", ctypes.c_void_p)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -470,6 +484,7 @@ class PackedLinear:
     out_features: int
     planes: int
     group_size: int = GROUP
+    lut: torch.Tensor | None = None  # bf16 [16]: the codebook of an IQ4 weight
 
     def check(self, name: str, in_features: int, out_features: int) -> None:
         n_pad = self.packed.shape[0]
@@ -488,7 +503,7 @@ class PackedLinear:
     def struct(self) -> _PackedWeight:
         return _PackedWeight(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
                              self.out_features, self.packed.shape[0], self.planes,
-                             self.group_size)
+                             self.group_size, _lut_ptr(self.lut))
 
 
 @dataclass(frozen=True)
@@ -612,7 +627,7 @@ class DecoderStack:
         nh, nkv, hd = d.n_heads, d.n_kv, d.head_dim
 
         def mm(w: PackedLinear, a: torch.Tensor) -> torch.Tensor:
-            return int4_mm_ref(a, w.packed, w.scales_zeros, w.out_features, w.planes)
+            return int4_mm_ref(a, w.packed, w.scales_zeros, w.out_features, w.planes, w.lut)
 
         res = x.clone()
         y = x

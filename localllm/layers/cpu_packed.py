@@ -97,11 +97,17 @@ def packed_group_sizes() -> tuple[int, ...]:
 
 
 def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
-    """Whether `w` can be held packed for CPU compute in `dtype` (bf16 only)."""
+    """Whether `w` can be held packed for CPU compute in `dtype` (bf16 only). Codebook
+    weights need the native kernels and a codebook that bf16 holds exactly (IQ4_NL and
+    IQ4_XS: integers; not NF4)."""
     if dtype != torch.bfloat16 or w.in_features % GROUP:
         return False
     if isinstance(w, Int4Weight):
-        return w.codebook is None and w.group_size in packed_group_sizes()
+        if w.codebook is not None and not (
+                cpu_native.available()
+                and torch.equal(w.codebook.bfloat16().float(), w.codebook.float())):
+            return False
+        return w.group_size in packed_group_sizes()
     return w.group_size in packed_group_sizes() or (w.per_channel and w.offsets is None)
 
 
@@ -133,8 +139,10 @@ RowSource = Callable[[int, int], Int4Weight | Int8Weight]
 
 def _scales_zeros(w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's fp32 scales and zeros of each row and group, planes side by side:
-    [out, planes * in / 32] each (see the module docstring)."""
-    s = w.scales.float()  # [out, in / 32]
+    [out, planes * in / group_size] each (see the module docstring)."""
+    s = w.scales.float()  # [out, in / group_size]
+    if isinstance(w, Int4Weight) and w.codebook is not None:  # codebook[c] * scale
+        return s, torch.zeros_like(s)
     if isinstance(w, Int4Weight):
         zeros = (w.offsets.float() + 8.0 * s) if w.offsets is not None else torch.zeros_like(s)
         return s, zeros
@@ -148,12 +156,16 @@ class CpuPackedWeight:
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
                  in_features: int, planes: int,
                  exact: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 group_size: int = GROUP) -> None:
+                 group_size: int = GROUP, codebook: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [out_padded, planes * in / 2]
         self.scales_zeros = scales_zeros  # bf16 [planes * in / group_size, out_padded, 2]
         # the source's own scales and offsets [out, in / group_size], for exact `rows`
         self.exact = exact
         self.group_size = group_size  # 32, or 16 (native kernels only)
+        # the source's fp32 codebook of an IQ4 weight (native kernels only; exact in bf16),
+        # and its bf16 copy for the kernels
+        self.codebook = codebook
+        self.lut = None if codebook is None else codebook.bfloat16().contiguous()
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
@@ -179,6 +191,7 @@ class CpuPackedWeight:
         packed = sz = None
         exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
         planes, group_size = 1, GROUP
+        codebook: torch.Tensor | None = None
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
         for r in range(0, n_pad, PACK_ROWS):
@@ -189,6 +202,7 @@ class CpuPackedWeight:
             if packed is None or sz is None:
                 planes = 1 if isinstance(w, Int4Weight) else 2
                 group_size = w.group_size
+                codebook = w.codebook if isinstance(w, Int4Weight) else None
                 groups = w.in_features // group_size
                 packed = torch.empty(n_pad, planes * w.in_features // 2, dtype=torch.uint8)
                 sz = torch.zeros(planes * groups, n_pad, 2, dtype=dtype)  # padding: weight 0
@@ -197,7 +211,9 @@ class CpuPackedWeight:
                              None if w.offsets is None else w.offsets.new_empty(out, groups))
             elif (1 if isinstance(w, Int4Weight) else 2) != planes \
                     or packed.shape[1] * 2 != planes * w.in_features \
-                    or w.group_size != group_size:
+                    or w.group_size != group_size \
+                    or (isinstance(w, Int4Weight) and codebook is not None
+                        and (w.codebook is None or not torch.equal(w.codebook, codebook))):
                 raise ValueError("the rows of one weight changed format")
             packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 _codes(w, 0, end - r).to(torch.int32), 1)
@@ -210,7 +226,8 @@ class CpuPackedWeight:
                 if exact[1] is not None and w.offsets is not None:
                     exact[1][r:stop] = w.offsets
         assert packed is not None and sz is not None
-        return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact, group_size)
+        return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact, group_size,
+                   codebook)
 
     @staticmethod
     def concat(parts: list[CpuPackedWeight]) -> CpuPackedWeight | None:
@@ -218,12 +235,16 @@ class CpuPackedWeight:
         their layouts cannot be stacked (padded rows, different planes or input sizes)."""
         first = parts[0]
         if any(p.planes != first.planes or p.in_features != first.in_features
-               or p.group_size != first.group_size or p.out_features % TILE for p in parts):
+               or p.group_size != first.group_size or p.out_features % TILE
+               or (p.codebook is None) != (first.codebook is None)
+               or (p.codebook is not None and first.codebook is not None
+                   and not torch.equal(p.codebook, first.codebook)) for p in parts):
             return None
         return CpuPackedWeight(torch.cat([p.packed for p in parts]),
                                torch.cat([p.scales_zeros for p in parts], dim=1),
                                sum(p.out_features for p in parts), first.in_features,
-                               first.planes, group_size=first.group_size)
+                               first.planes, group_size=first.group_size,
+                               codebook=first.codebook)
 
     @property
     def nbytes(self) -> int:
@@ -238,8 +259,8 @@ class CpuPackedWeight:
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_native.available():
             return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
-                                      self.planes)
-        if self.group_size != GROUP:  # PyTorch's kernel has no groups of 16
+                                      self.planes, self.lut)
+        if self.group_size != GROUP or self.lut is not None:  # beyond PyTorch's kernel
             return x @ self.dense_t()
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
@@ -249,9 +270,14 @@ class CpuPackedWeight:
     def dense_t(self) -> torch.Tensor:
         """W.T [in, out] in the compute dtype, dequantized for one call."""
         if cpu_native.available():  # one pass, planes summed in fp32 (3-5x faster)
-            wt = cpu_native.int4_dequant_t(self.packed, self.scales_zeros, self.planes)
+            wt = cpu_native.int4_dequant_t(self.packed, self.scales_zeros, self.planes,
+                                           self.lut)
             n = self.out_features
             return wt if wt.shape[1] == n else wt[:, :n]
+        if self.lut is not None:  # the native kernels went away after packing (tests)
+            wt = cpu_native.int4_dequant_t_ref(self.packed, self.scales_zeros, self.planes,
+                                               self.lut)
+            return wt[:, :self.out_features]
         n_pad, k2 = self.packed.shape[0], self.packed.shape[1] * 2
         half = TILE // 2
         # flipping each nibble's top bit turns code c into c - 8 under an arithmetic shift
@@ -281,11 +307,14 @@ class CpuPackedWeight:
         gs = self.group_size
         if self.exact is None:
             sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
-            w = ((c - 8.0).view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
+            vals = c - 8.0 if self.lut is None else self.lut.float()[c.long()]
+            w = (vals.view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
         scales, offsets = self.exact
         if self.planes == 2:
             q = (c[:, :self.in_features] - 8.0) * 16.0 + c[:, self.in_features:]
+        elif self.codebook is not None:
+            q = self.codebook.float()[c.long()]
         else:
             q = c if offsets is not None else c - 8.0
         # the operation order of Int4Weight / Int8Weight.dequantize: scale * q (+ offset)

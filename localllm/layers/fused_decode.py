@@ -32,7 +32,7 @@ def _packed(lin: Linear | None) -> cpu_native.PackedLinear | None:
         return None
     q = lin.qweight
     return cpu_native.PackedLinear(q.packed, q.scales_zeros, q.in_features, q.out_features,
-                                   q.planes, q.group_size)
+                                   q.planes, q.group_size, q.lut)
 
 
 def build_stack(model: LlamaForCausalLM) -> cpu_native.DecoderStack | None:

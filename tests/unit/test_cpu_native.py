@@ -15,7 +15,9 @@ from localllm.engine.model_runner import prompt_logits
 from localllm.kernels import cpu_native as cn
 from localllm.layers.cpu_packed import CpuPackedWeight
 from localllm.layers.fused_decode import build_stack
+from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.loader import load_gguf
+from localllm.quant.formats import Int4Weight, pack_nibbles
 
 pytestmark = pytest.mark.skipif(
     not cn.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) and a C "
@@ -239,3 +241,46 @@ def test_a_failed_build_falls_back_with_a_one_line_warning(
         assert cn._library.__wrapped__() is None
     assert "did not compile (error: no such instruction)" in caplog.text
     assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written is left
+
+
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113], dtype=torch.float32)  # IQ4_NL's codebook: integers
+
+
+def iq4_weight(out: int, inp: int, group: int = 32) -> Int4Weight:
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 16, (out, inp), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(out, inp // group, generator=g) * 1e-3 + 1e-4).half()
+    return Int4Weight(pack_nibbles(codes), scales, None, group, IQ4_VALUES)
+
+
+@pytest.mark.parametrize("group", [32, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int4_mm_with_a_codebook(group: int, rows: int) -> None:
+    w = CpuPackedWeight.from_weight(iq4_weight(96, 128, group), torch.bfloat16)
+    assert w.lut is not None and w.group_size == group
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
+    wt = cn.int4_dequant_t(w.packed, w.scales_zeros, 1, w.lut)
+    bf16_close(wt, cn.int4_dequant_t_ref(w.packed, w.scales_zeros, 1, w.lut))
+
+
+def test_codebook_weight_in_a_linear_layer_and_as_embedding_rows() -> None:
+    src = iq4_weight(128, 128)
+    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16, exact_rows=True)
+    lin.set_quantized(src)
+    assert lin.quantized
+    ref = src.dequantize()
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(10)).bfloat16()
+    want = x.float() @ ref.t()
+    assert float((lin(x).float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    ids = torch.tensor([0, 5, 127])
+    assert torch.equal(lin.rows_fp32(ids), ref[ids])  # exact: the file's own values
+
+
+def test_nf4_codebook_is_not_exact_in_bf16_and_stays_dense() -> None:
+    nf4 = Int4Weight(iq4_weight(64, 64).qweight, iq4_weight(64, 64).scales, None, 32,
+                     torch.linspace(-1, 1, 16))
+    assert not quantized_cpu_supported(nf4, torch.bfloat16)

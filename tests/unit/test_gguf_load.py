@@ -215,7 +215,7 @@ def test_bf16_logits_of_the_best_tokens_are_exact(tmp_path: Path, tied: bool) ->
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q3_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])
 def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path: str) -> None:
     # the fast path (packed weights, bf16; on machines with the native kernels, one call per
     # decode step, and K-quants with groups of 16 stay packed too) against fp32 math on the
@@ -225,8 +225,9 @@ def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path
     written = write_model(tmp_path / "m.gguf", spec)
     ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
     model = load_gguf(written.path, torch.bfloat16).model
-    group16 = qtype in (QT.Q6_K, QT.Q3_K)
-    assert model.layers[0].self_attn.qkv_proj.quantized == (not group16 or cpu_path == "native")
+    native_only = qtype in (QT.Q6_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS)  # groups of 16, codebooks
+    assert model.layers[0].self_attn.qkv_proj.quantized == (
+        not native_only or cpu_path == "native")
     scale = float(ref.abs().max())
     for chunk in (0, 1):
         got = prompt_logits(model, PROMPT * 4, chunk=chunk)
@@ -624,16 +625,16 @@ def test_cli_tokenize_good_model(good: WrittenModel, capsys: pytest.CaptureFixtu
 
 def test_types_without_a_packed_format_load_dense_with_one_warning(
         tmp_path: Path, cpu_path: str, caplog: pytest.LogCaptureFixture) -> None:
-    # IQ4_NL (a codebook) has no packed CPU format: its weights are dequantized to bf16, and
-    # the load says so once for the type, with what it costs
-    spec = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, qtype=QT.IQ4_NL)
+    # IQ2_XS (a lattice codebook) has no packed CPU format: its weights are dequantized to
+    # bf16, and the load says so once for the type, with what it costs
+    spec = ModelSpec(hidden=256, ffn=256, heads=4, kv_heads=2, qtype=QT.IQ2_XS)
     written = write_model(tmp_path / "m.gguf", spec)
     with caplog.at_level("WARNING", logger="localllm"):
         model = load_gguf(written.path, torch.bfloat16).model
-    lines = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "IQ2_XS" in r.getMessage()]
     assert len(lines) == 1
     assert "have no packed CPU format here: dequantized to bfloat16" in lines[0]
-    assert "(3.6x)" in lines[0]  # 16 bits a weight instead of 4.5
+    assert "(6.9x)" in lines[0]  # 16 bits a weight instead of 2.31
     assert not model.layers[0].self_attn.qkv_proj.quantized
     caplog.clear()
     with caplog.at_level("WARNING", logger="localllm"):
