@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 #define TILE 64
 #define GROUP 32
 #define PREFETCH_GROUPS 4
@@ -196,12 +198,6 @@ static inline __attribute__((always_inline)) void tile_rows4(
     }
 }
 
-static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
-    /* round to nearest even, as PyTorch's float -> bfloat16 conversion */
-    const __mmask16 mask = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src));
-    _mm256_mask_storeu_epi16(dst, mask, (__m256i)v);
-}
 
 
 /* ---- AMX (Sapphire Rapids and later): the same sums with tile matmuls ----
@@ -315,7 +311,7 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                 const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
                 for (int64_t m = 0; m < mr; m++)
                     for (int64_t r = 0; r < rows; r += 16)
-                        store_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
+                        store_floats_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
             }
         }
         if (configured) _tile_release();
@@ -358,8 +354,8 @@ static inline __attribute__((always_inline)) void tile_loop(
                 const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
                 for (int64_t j = 0; j < mr; j++)
                     for (int64_t r = 0; r < rows; r += 16)
-                        store_bf16(out + (i * mr + j) * TILE + r, y + (m + j) * ldy + n0 + r,
-                                   rows - r);
+                        store_floats_bf16(out + (i * mr + j) * TILE + r,
+                                          y + (m + j) * ldy + n0 + r, rows - r);
             }
             m += mr;
         }
@@ -403,11 +399,6 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     return 0;
 }
 
-/* 16 bf16 values -> fp32 (exact) */
-static inline __m512 load_lut_f32(const uint16_t *lut) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)lut);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
 
 /* W^T in bf16 for a dense matmul over many rows (prefill): wt[k][n] = sum over planes of
  * (c[n, k] - 8) s[k / gs, n] + z[k / gs, n], summed in fp32 and rounded once, for k < K and
@@ -415,7 +406,7 @@ static inline __m512 load_lut_f32(const uint16_t *lut) {
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut) {
     /* codebook weights: lut[c] s + z; others (c - 8) s + z = c s + (z - 8 s) */
-    const __m512 lutf = lut ? load_lut_f32(lut) : _mm512_setzero_ps();
+    const __m512 lutf = lut ? load_bf16(lut, 0xFFFF) : _mm512_setzero_ps();
     const float bias = lut ? 0.0f : 8.0f;
     const int64_t K2 = planes * K, tiles = n_pad / TILE;
 #pragma omp parallel for schedule(static)
@@ -447,7 +438,7 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
                 }
                 uint16_t *dst = wt + k * n_pad + t * TILE;
                 for (int r = 0; r < 4; r++)
-                    _mm256_storeu_si256((__m256i *)(dst + 16 * r), (__m256i)_mm512_cvtneps_pbh(w[r]));
+                    store_bf16(dst + 16 * r, w[r], 0xFFFF);
             }
         }
     }

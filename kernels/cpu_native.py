@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("localllm")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_int4.c", "cpu_ops.c", "cpu_layers.c"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # AMX is opt-in (LOCALLLM_AMX=1): it makes batched decode 1.5x faster, but a row's result
@@ -75,9 +76,13 @@ def unavailable_reason() -> str | None:
         return "LOCALLLM_NATIVE=0"
     if not _cpu_supports():
         return "the CPU lacks " + ", ".join(f for f in CPU_FLAGS if f not in _cpu_flags())
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if _compiler() is None:
         return "no C compiler (cc)"
     return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _cache_dir() -> Path:
@@ -88,7 +93,7 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
     key = hashlib.sha256(src + version.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
@@ -119,7 +124,7 @@ def _library() -> ctypes.CDLL | None:
     if why is not None:
         log.info("native CPU kernels off (%s): PyTorch ops instead", why)
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     assert cc is not None
     try:
         lib = ctypes.CDLL(str(_build(cc)))

@@ -12,18 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline __mmask16 tail_mask(int64_t n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
-
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    const __m256i v = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
+#include "cpu_simd.h"
 
 /* e^x for x in [-88, 88] (clamped), relative error about 2e-7 */
 static inline __m512 exp512(__m512 x) {
