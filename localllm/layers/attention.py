@@ -53,43 +53,47 @@ class AttentionMetadata:
         """The sequences with one query token (any number), as the native decode kernel takes
         them; computed once per step for every layer. None when no sequence decodes."""
         if self._decode_batch is None:
-            seqs = [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+            seqs = self._decoding()
             if not seqs:
                 return None
             dev = self.block_tables.device
             if len(seqs) == len(self.query_lens):
                 rows, tables = None, self.block_tables.contiguous()
             else:
-                starts = [0]
-                for qlen in self.query_lens:
-                    starts.append(starts[-1] + qlen)
-                rows = torch.tensor([starts[i] for i in seqs], device=dev)
+                rows = self._rows_of(seqs)
                 tables = self.block_tables[torch.tensor(seqs, device=dev)].contiguous()
             ctxs = torch.tensor([self.context_lens[i] for i in seqs], dtype=torch.long,
                                 device=dev)
             self._decode_batch = DecodeBatch(rows, seqs, tables, ctxs)
         return self._decode_batch
 
+    def _decoding(self) -> list[int]:
+        """The sequences with one query token."""
+        return [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+
+    def _rows_of(self, seqs: list[int]) -> torch.Tensor:
+        """[len(seqs)] the first query row of each of these sequences in the flat batch."""
+        starts = [0]
+        for qlen in self.query_lens:
+            starts.append(starts[-1] + qlen)
+        return torch.tensor([starts[i] for i in seqs], device=self.block_tables.device)
+
     def decode_plan(self) -> DecodePlan | None:
         """What batched decode attention needs, computed once per step for every layer; None
         when fewer than two sequences decode."""
         if self._decode_plan is None:
-            seqs = [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+            seqs = self._decoding()
             if len(seqs) < 2:
                 return None
             bs = self.block_size
             ctxs = [self.context_lens[i] for i in seqs]
             width = (max(ctxs) + bs - 1) // bs
             dev = self.block_tables.device
-            starts = [0]
-            for qlen in self.query_lens:
-                starts.append(starts[-1] + qlen)
             blocks = self.block_tables[torch.tensor(seqs, device=dev), :width]  # [B, width]
             lens = torch.tensor(ctxs, device=dev)
             mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]
-            self._decode_plan = DecodePlan(
-                seqs, torch.tensor([starts[i] for i in seqs], device=dev),
-                blocks.flatten(), width * bs, mask[:, None, None, :])
+            self._decode_plan = DecodePlan(seqs, self._rows_of(seqs), blocks.flatten(),
+                                           width * bs, mask[:, None, None, :])
         return self._decode_plan
 
     def seq_slots(self, i: int) -> torch.Tensor:

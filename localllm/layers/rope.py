@@ -74,13 +74,13 @@ class RotaryEmbedding(nn.Module):
         self._sin = torch.empty(0, device="cpu")
         self._rot = torch.empty(0, dtype=torch.complex64, device="cpu")
         self._last_positions: torch.Tensor | None = None
-        self._native_positions: torch.Tensor | None = None
+        self._tables_positions: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (self._rot,) * 3
 
     def set_freq_factors(self, factors: torch.Tensor, cfg: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(cfg, factors)
         self._cos = torch.empty(0)
-        self._last_positions = self._native_positions = None
+        self._last_positions = self._tables_positions = None
 
     def tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < n or self._cos.device != device:
@@ -90,7 +90,7 @@ class RotaryEmbedding(nn.Module):
             self._cos = freqs.cos() * self.mscale
             self._sin = freqs.sin() * self.mscale
             self._rot = torch.complex(self._cos, self._sin)  # e^(i p f), scaled
-            self._last_positions = self._native_positions = None
+            self._last_positions = self._tables_positions = None
         return self._cos, self._sin
 
     def _at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +98,7 @@ class RotaryEmbedding(nn.Module):
         layout, only cos and sin for halves). Every layer of a step passes the same positions
         tensor, so the lookup is done once per step and reused."""
         if positions is not self._last_positions:
-            cos_t, sin_t = self.tables(int(positions.max()) + 1, positions.device)
+            cos_t, sin_t = self._step_tables(positions)
             self._last_positions = positions
             if self.neox:
                 self._last = (self._rot, cos_t[positions].unsqueeze(1),
@@ -115,13 +115,17 @@ class RotaryEmbedding(nn.Module):
         if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
                 and x.stride(1) == 1 and cpu_native.available()):
             return False
-        if positions is not self._native_positions:
-            # the tables must reach the step's last position (checked again natively)
-            self.tables(int(positions.max()) + 1, positions.device)
-            self._native_positions = positions
-        cpu_native.rope_(x, heads, head_dim, self.rope_dim, self._cos, self._sin, positions,
-                         self.neox)
+        cos_t, sin_t = self._step_tables(positions)  # positions past them fail natively
+        cpu_native.rope_(x, heads, head_dim, self.rope_dim, cos_t, sin_t, positions, self.neox)
         return True
+
+    def _step_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tables` reaching the step's last position; every layer of a step passes the same
+        positions tensor, so its maximum is taken once per step."""
+        if positions is not self._tables_positions:
+            self.tables(int(positions.max()) + 1, positions.device)
+            self._tables_positions = positions
+        return self._cos, self._sin
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, head_dim] (any heads: q, k, or both stacked)
