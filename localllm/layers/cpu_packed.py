@@ -111,17 +111,16 @@ def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
     return w.group_size in packed_group_sizes() or (w.per_channel and w.offsets is None)
 
 
-def _codes(w: Int4Weight | Int8Weight, start: int, end: int) -> torch.Tensor:
-    """Kernel codes 0..15 of rows start..end (rows past `out` are padding: code 8, weight 0):
-    uint8 [end - start, planes * in]."""
-    stop = min(end, w.out_features)
+def _codes(w: Int4Weight | Int8Weight, rows: int) -> torch.Tensor:
+    """Kernel codes 0..15 of w's rows, padded to `rows` (padding: code 8, weight 0):
+    uint8 [rows, planes * in]."""
     if isinstance(w, Int4Weight):
-        codes = unpack_nibbles(w.qweight[start:stop])
+        codes = unpack_nibbles(w.qweight)
     else:
-        q = w.qweight[start:stop].to(torch.int16)
+        q = w.qweight.to(torch.int16)
         codes = torch.cat(((q >> 4) + 8, q & 15), dim=1).to(torch.uint8)  # planes H | L
-    if stop < end:
-        codes = torch.cat((codes, codes.new_full((end - stop, codes.shape[1]), 8)))
+    if w.out_features < rows:
+        codes = torch.cat((codes, codes.new_full((rows - w.out_features, codes.shape[1]), 8)))
     return codes
 
 
@@ -216,7 +215,7 @@ class CpuPackedWeight:
                         and (w.codebook is None or not torch.equal(w.codebook, codebook))):
                 raise ValueError("the rows of one weight changed format")
             packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                _codes(w, 0, end - r).to(torch.int32), 1)
+                _codes(w, end - r).to(torch.int32), 1)
             scales, zeros = _scales_zeros(w)  # [rows, planes * in / group_size] each
             stop = r + w.out_features
             sz[:, r:stop, 0] = scales.t()
