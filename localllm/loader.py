@@ -20,7 +20,7 @@ from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name
 from localllm.layers.linear import Linear, quantized_cpu_supported
-from localllm.memory import glibc
+from localllm.memory import glibc, release_free_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.formats import Int4Weight, Int8Weight
@@ -43,11 +43,15 @@ def file_fingerprint(path: Path) -> str:
     h = hashlib.sha256()
     size = path.stat().st_size
     h.update(str(size).encode())
+    span = 4 << 20
     with open(path, "rb") as f:
-        h.update(f.read(4 << 20))
-        if size > 8 << 20:
-            f.seek(size - (4 << 20))
-            h.update(f.read())
+        # in 256 KiB pieces: two 4 MiB reads were the load's last resident peak
+        for start in (0, size - span) if size > 2 * span else (0,):
+            f.seek(start)
+            left = span
+            while left > 0 and (piece := f.read(min(left, 256 << 10))):
+                h.update(piece)
+                left -= len(piece)
     return h.hexdigest()[:32]
 
 
@@ -227,6 +231,8 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         if progress is not None:
             progress(i + 1, len(infos))
     _warn_unpacked(src, unpacked, dtype)
-    model.fuse_projections()
+    # the parts' packed matrices were small enough for the heap, the fused ones are not:
+    # their freed space would stay until the load ends, 10-14 MB over the steady size
+    model.fuse_projections(after_layer=release_free_memory)
     model.eval()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))

@@ -6,6 +6,8 @@ attention math lives behind `localllm.layers.attention.AttentionBackend`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -131,11 +133,15 @@ class LlamaForCausalLM(nn.Module):
                         else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype))
         self._fused_decode = FusedDecode()
 
-    def fuse_projections(self) -> None:
-        """After loading: stack the projections that read the same input (see `fuse`)."""
+    def fuse_projections(self, after_layer: Callable[[], None] | None = None) -> None:
+        """After loading: stack the projections that read the same input (see `fuse`).
+        `after_layer` runs once each layer's parts are gone (the loader hands their freed
+        memory back there, before the next layer allocates more)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            if after_layer is not None:
+                after_layer()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter under the name the loaders fill (`layers.0.self_attn.q_proj.weight`,

@@ -190,23 +190,21 @@ class GGUFFile:
             self._spans[name] = (start, start + nbytes)
 
     def release(self, info: TensorInfo, rows: tuple[int, int] | None = None) -> None:
-        """Drop the file pages of a tensor that has been copied out from this process's
-        resident memory (they stay in the page cache; touching them again reads them back).
-        Loading calls it after each tensor, so the mapped file never counts whole.
-        `rows` (start, end): only those rows of a matrix (pages they share with other rows
-        are kept)."""
+        """Drop from this process's resident memory the file pages of a tensor that has been
+        copied out, and of everything before it in the file (they stay in the page cache;
+        touching them again maps them back). Loading calls it after each tensor, so the
+        mapped file never counts whole. `rows` (start, end): up to the end of those rows.
+
+        A page fault maps the whole cached folio around it, and with large folios (ext4 on
+        Linux 6.16+) that reaches well into the neighbouring tensors: dropping only the
+        tensor's own range left 21 MB of the default model's 94 MB file resident. Dropping
+        a page still to be read (tensors out of file order) costs a minor fault."""
         start, end = self._spans[info.name]
-        page = mmap.PAGESIZE
         if rows is not None:
-            per_row = (end - start) // max(info.shape[0], 1)
-            start, end = start + rows[0] * per_row, start + rows[1] * per_row
-            start, end = -(-start // page) * page, end // page * page
-            if end > start and hasattr(self._map, "madvise"):
-                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-            return
-        start, end = start // page * page, -(-end // page) * page
-        if hasattr(self._map, "madvise") and end > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._map)) - start)
+            end = start + rows[1] * ((end - start) // max(info.shape[0], 1))
+        end = min(len(self._map), end // mmap.PAGESIZE * mmap.PAGESIZE)
+        if hasattr(self._map, "madvise") and end > 0:
+            self._map.madvise(mmap.MADV_DONTNEED, 0, end)
 
     @property
     def tensors(self) -> Mapping[str, TensorInfo]:

@@ -31,6 +31,7 @@ from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
 from localllm.hf.weights import SafetensorsFolder
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, load_time_allocation
+from localllm.memory import release_free_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
 from localllm.quant.quantize import QUANTIZE_MODES, quantize
@@ -179,6 +180,8 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
             if progress is not None:
                 progress(i + 1, len(tensors))
         fingerprint = _fingerprint(folder, st.files, quantize)
-    model.fuse_projections()
+    # the parts' packed matrices were small enough for the heap, the fused ones are not:
+    # their freed space would stay until the load ends, 10-14 MB over the steady size
+    model.fuse_projections(after_layer=release_free_memory)
     model.eval()
     return LoadedModel(model, tokenizer, cfg, folder, fingerprint)
