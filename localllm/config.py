@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +112,8 @@ class ModelConfig:
         vocab = get("vocab_size", None)
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if isinstance(tokens, list) else n_vocab_fallback
+            vocab = (len(tokens) if isinstance(tokens, Sequence) and not isinstance(tokens, str)
+                     else n_vocab_fallback)
         scaling = RopeScaling()
         kind = get("rope.scaling.type", "none", kind=str)
         if kind in ("linear", "yarn"):

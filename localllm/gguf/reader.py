@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from array import array
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from localllm.errors import ModelLoadError
+from localllm.text.string_table import StringTable
 
 GGUF_MAGIC = b"GGUF"
 _SCALARS: dict[int, tuple[str, Any]] = {  # value type -> (struct format, numpy dtype)
@@ -69,6 +71,27 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> StringTable:
+        """An array of `count` strings, kept as their bytes (a vocabulary as a list of `str`
+        costs several times its size; see `StringTable`)."""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        starts, ends = array("q"), array("q")
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Corrupt("unexpected end of file in the header")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > size:
+                raise _Corrupt(f"string of {n} bytes runs past the end of the file")
+            starts.append(pos - self.pos)
+            pos += n
+            ends.append(pos - self.pos)
+        blob = buf[self.pos:pos]  # the strings with their length prefixes between them
+        self.pos = pos
+        return StringTable(blob, np.frombuffer(starts, dtype=np.int64),
+                           np.frombuffer(ends, dtype=np.int64))
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype][0])
@@ -86,6 +109,8 @@ class _Cursor:
                 return arr.tolist()
             if count > len(self.buf) - self.pos:
                 raise _Corrupt(f"array of {count} values cannot fit in the file")
+            if itype == _STRING:
+                return self.strings(count)
             return [self.value(itype) for _ in range(count)]
         raise _Corrupt(f"unknown metadata value type {vtype}")
 
@@ -103,7 +128,8 @@ class GGUFFile:
     """A GGUF file opened read-only through a memory map.
 
     `metadata` holds every key-value pair as plain Python values (str, int, float, bool,
-    lists of those). Tensor data stays in the memory map until a caller copies it.
+    lists of those), except that arrays of strings (vocabularies, merges) are `StringTable`s.
+    Tensor data stays in the memory map until a caller copies it.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeGuard
 
 from localllm.errors import ModelLoadError
 from localllm.text import vocab as V
 from localllm.text.spm import spm_tokenize
+from localllm.text.string_table import StringTable, table_of
 
 _Fragment = str | int  # raw text, or the id of a special token split out of it
 
@@ -41,7 +42,7 @@ class Tokenizer:
         hf: Any = None,  # tokenizers.Tokenizer encoding raw text (special tokens as plain text)
         hf_special: Any = None,  # "hf" kind: the same, parsing special tokens
     ) -> None:
-        self._tokens = list(tokens)
+        self._tokens = table_of(tokens)
         self._attrs = attrs
         self._kind = kind
         self._piece_style = pieces
@@ -57,10 +58,9 @@ class Tokenizer:
         self._clean_spaces = clean_spaces
         self._hf = hf
         self._hf_special = hf_special
-        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
         self._scores = scores if scores is not None else [0.0] * len(self._tokens)
         specials = [i for i, a in enumerate(attrs) if a & (V.CONTROL | V.USER_DEFINED | V.UNKNOWN)]
-        specials.sort(key=lambda i: -len(self._tokens[i].encode("utf-8")))
+        specials.sort(key=lambda i: -self._tokens.byte_length(i))
         self._split_special = [(self._tokens[i], i, attrs[i]) for i in specials]
         self._split_plain = [s for s in self._split_special if not s[2] & V.SPECIAL]
 
@@ -74,12 +74,15 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{where}: unsupported tokenizer.ggml.model {model!r} (supported: llama, gpt2)"
             )
-        if not isinstance(raw_tokens, list) or not raw_tokens:
+        if not _is_sequence(raw_tokens) or not raw_tokens:
             raise ModelLoadError(f"{where}: tokenizer.ggml.tokens is missing or empty")
         n = len(raw_tokens)
-        tokens = [str(t) if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
+        tokens: Sequence[str] = raw_tokens
+        if not isinstance(raw_tokens, StringTable) or any(
+                raw_tokens.byte_length(i) == 0 for i in range(n)):
+            tokens = [str(t) if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
         types = meta.get("tokenizer.ggml.token_type")
-        if isinstance(types, list) and len(types) >= n:
+        if _is_sequence(types) and len(types) >= n:
             if not all(isinstance(t, int) for t in types[:n]):
                 raise ModelLoadError(f"{where}: tokenizer.ggml.token_type holds non-integers")
             attrs = [V.GGUF_TOKEN_TYPE.get(t, V.UNDEFINED) for t in types[:n]]
@@ -118,7 +121,7 @@ class Tokenizer:
         )
         if spm:
             scores = meta.get("tokenizer.ggml.scores")
-            if not isinstance(scores, list) or len(scores) < n:
+            if not _is_sequence(scores) or len(scores) < n:
                 scores = [0.0] * n
             elif not all(isinstance(x, (int, float)) for x in scores[:n]):
                 raise ModelLoadError(f"{where}: tokenizer.ggml.scores holds non-numbers")
@@ -229,6 +232,11 @@ class Tokenizer:
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
     @cached_property
+    def _token_to_id(self) -> dict[str, int]:
+        # SentencePiece-style vocabularies only: byte-level BPE looks tokens up in `_hf`
+        return {t: i for i, t in enumerate(self._tokens)}
+
+    @cached_property
     def _byte_ids(self) -> list[int]:
         fallback = self.unk_id if self.unk_id is not None else -1
         ids = []
@@ -240,29 +248,28 @@ class Tokenizer:
         return ids
 
     @cached_property
-    def _pieces(self) -> list[bytes]:
-        pieces: list[bytes] = []
-        spm = self._piece_style == "spm"
-        for text, attr in zip(self._tokens, self._attrs, strict=True):
-            if attr & (V.SPECIAL | V.USER_DEFINED):
-                pieces.append(text.encode("utf-8"))
-            elif attr & V.NORMAL:
-                if spm:
-                    pieces.append(text.replace(V.SPACE_MARK, " ").encode("utf-8"))
-                else:
-                    pieces.append(V.byte_level_bytes(text))
-            elif attr & V.BYTE:
-                value = V.byte_token_value(text)
-                pieces.append(bytes([value]) if value is not None else b"")
-            else:  # unused or undefined tokens render as nothing
-                pieces.append(b"")
-        return pieces
+    def _pieces(self) -> StringTable:
+        """Each token's bytes as decoding emits them."""
+        return StringTable.from_bytes(self._piece(text, attr)
+                                      for text, attr in zip(self._tokens, self._attrs, strict=True))
+
+    def _piece(self, text: str, attr: int) -> bytes:
+        if attr & (V.SPECIAL | V.USER_DEFINED):
+            return text.encode("utf-8")
+        if attr & V.NORMAL:
+            if self._piece_style == "spm":
+                return text.replace(V.SPACE_MARK, " ").encode("utf-8")
+            return V.byte_level_bytes(text)
+        if attr & V.BYTE:
+            value = V.byte_token_value(text)
+            return bytes([value]) if value is not None else b""
+        return b""  # unused or undefined tokens render as nothing
 
     def token_to_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (special tokens give their text)."""
         if not 0 <= token_id < len(self._tokens):
             raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
-        return self._pieces[token_id]
+        return self._pieces.raw(token_id)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`, as llama.cpp's detokenize (remove_special = unparse_special negated
@@ -284,6 +291,10 @@ class Tokenizer:
             parts.append(piece)
         text = b"".join(parts).decode("utf-8", errors="replace")
         return V.clean_up_spaces(text) if self._clean_spaces else text
+
+
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
 def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: V.PreType) -> Any:

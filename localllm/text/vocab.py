@@ -114,7 +114,7 @@ FIM_EOG_TEXTS = (
 )
 
 
-def apply_name_quirks(tokens: list[str], attrs: list[int], model_name: str) -> None:
+def apply_name_quirks(tokens: Sequence[str], attrs: list[int], model_name: str) -> None:
     """llama.cpp's per-model token attribute fixes that change tokenization."""
     for i, text in enumerate(tokens):
         if text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
