@@ -7,7 +7,9 @@
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
  * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
- * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row.
+ * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row; or, for a
+ * symmetric weight with fp16 scales (Q4_0, Q5_0, Q8_0, IQ4_NL), `half_scales` and sz is those
+ * fp16 scales alone, [K / gs][n_pad], with the zeros implied (see `Scales`).
  * With two planes (grouped int8 split as q = 16 h + l), plane p reads x[k - p K].
  *
  * How it computes (AVX-512 BF16): one 64-byte load holds columns k and k+1 of a 64-row tile.
@@ -84,14 +86,44 @@ static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4]
         unpack_pairs(b, w);
 }
 
-/* Scale of rows 16r..16r+15 of a tile for one group, from the bf16 (scale, zero) pairs at s
- * (32-bit lane j: the scale in its low half, the zero in its high half); *zero_adj gets
- * zero - bias * scale. */
-static inline __m512 group_scale(const uint16_t *s, int r, float bias, __m512 *zero_adj) {
-    const __m512i v = _mm512_loadu_si512(s + 32 * r);
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 zr = _mm512_castsi512_ps(
-        _mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+/* A weight's per-group scales and zeros, in one of two forms:
+ *   pairs: bf16 [K2 / gs][n_pad][2], (scale, zero) per group and row;
+ *   half:  fp16 [K / gs][n_pad], the scale s alone of a symmetric weight, exact as stored in the
+ *          file; one plane: (c - 8) s; two planes (q = 16 h + l, the same s for both):
+ *          plane H (c - 8) 16 s, plane L (c - 8) s + 8 s. */
+typedef struct {
+    const uint16_t *p;
+    int64_t n_pad, plane_groups; /* plane_groups = K / gs */
+    int half, planes;
+} Scales;
+
+static inline Scales scales_of(const uint16_t *sz, int64_t n_pad, int64_t K, int64_t gs,
+                               int64_t planes, int64_t half) {
+    const Scales s = {sz, n_pad, K / gs, half != 0, (int)planes};
+    return s;
+}
+
+/* where group g's values for row `row` begin (prefetching) */
+static inline const char *scales_at(const Scales *s, int64_t g, int64_t row) {
+    if (s->half) return (const char *)(s->p + (g % s->plane_groups) * s->n_pad + row);
+    return (const char *)(s->p + (g * s->n_pad + row) * 2);
+}
+
+/* Scale of rows row..row+15 in group g (g < K2 / gs), fp32; *zero_adj gets zero - bias * scale.
+ * Pairs: 32-bit lane j holds the scale in its low half, the zero in its high half. */
+static inline __m512 group_scale(const Scales *s, int64_t g, int64_t row, float bias,
+                                 __m512 *zero_adj) {
+    __m512 sc, zr;
+    if (s->half) {
+        const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_at(s, g, row)));
+        const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
+        sc = plane_h ? _mm512_mul_ps(h, _mm512_set1_ps(16.0f)) : h;
+        zr = two && !plane_h ? _mm512_mul_ps(h, _mm512_set1_ps(8.0f)) : _mm512_setzero_ps();
+    } else {
+        const __m512i v = _mm512_loadu_si512(s->p + (g * s->n_pad + row) * 2);
+        sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        zr = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
     *zero_adj = _mm512_fnmadd_ps(sc, _mm512_set1_ps(bias), zr);
     return sc;
 }
@@ -101,7 +133,7 @@ static inline __m512 group_scale(const uint16_t *s, int r, float bias, __m512 *z
  * in fp32. Every (tile, row) pair is summed in the same order whatever NT and MR are, so a row
  * of x gets the same result alone or in a batch. */
 static inline __attribute__((always_inline)) void tiles_rows(
-    const uint8_t *tile, int64_t tile_bytes, const uint16_t *sz, int64_t sz_group_stride,
+    const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
     const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut) {
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
@@ -111,8 +143,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
             for (int i = 0; i < NT; i++) {
-                const char *ps = (const char *)(sz + (g + PREFETCH_GROUPS) * sz_group_stride
-                                                + i * TILE * 2);
+                const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0 + i * TILE);
                 for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
             }
         }
@@ -137,10 +168,10 @@ static inline __attribute__((always_inline)) void tiles_rows(
             }
         }
         for (int i = 0; i < NT; i++) {
-            const uint16_t *s = sz + g * sz_group_stride + i * TILE * 2;
             for (int r = 0; r < 4; r++) {
                 __m512 zz; /* z - 136 s */
-                const __m512 sc = group_scale(s, r, USE_LUT ? 0.0f : 136.0f, &zz);
+                const __m512 sc = group_scale(sz, g, row0 + i * TILE + 16 * r,
+                                              USE_LUT ? 0.0f : 136.0f, &zz);
                 for (int m = 0; m < MR; m++) {
                     y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
                     y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
@@ -158,13 +189,13 @@ static inline __attribute__((always_inline)) void tiles_rows(
 /* One 64-row tile for 4 rows of x: the same sums as tiles_rows, in the same order, with the
  * 16 group sums in registers and the running outputs in out[m][64] (fp32) instead. */
 static inline __attribute__((always_inline)) void tile_rows4(
-    const uint8_t *tile, const uint16_t *sz, int64_t sz_group_stride, const uint16_t *x,
+    const uint8_t *tile, const Scales *sz, int64_t row0, const uint16_t *x,
     int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
     const int USE_LUT, __m512i lut) {
     for (int i = 0; i < 4 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
-            const char *ps = (const char *)(sz + (g + PREFETCH_GROUPS) * sz_group_stride);
+            const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0);
             for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
         }
         __m512 a[4][4];
@@ -184,10 +215,9 @@ static inline __attribute__((always_inline)) void tile_rows4(
                     a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)w[r], xb);
             }
         }
-        const uint16_t *s = sz + g * sz_group_stride;
         for (int r = 0; r < 4; r++) {
             __m512 zz; /* z - 136 s */
-            const __m512 sc = group_scale(s, r, USE_LUT ? 0.0f : 136.0f, &zz);
+            const __m512 sc = group_scale(sz, g, row0 + 16 * r, USE_LUT ? 0.0f : 136.0f, &zz);
             for (int m = 0; m < 4; m++) {
                 float *o = out + m * TILE + 16 * r;
                 __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
@@ -248,7 +278,7 @@ static void amx_config(int64_t mr) {
 }
 
 static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
-                      const uint8_t *packed, const uint16_t *sz, int64_t N, int64_t n_pad,
+                      const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
                       int64_t groups, const float *xsum, uint16_t *y, int64_t ldy) {
     const int64_t tiles = n_pad / TILE, tile_bytes = groups * GROUP * 32;
 #pragma omp parallel
@@ -296,10 +326,9 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                     _tile_stored(1, ct[1], 64);
                     _tile_stored(2, ct[2], 64);
                     _tile_stored(3, ct[3], 64);
-                    const uint16_t *s = sz + (g * n_pad + t * TILE) * 2;
                     for (int r = 0; r < 4; r++) {
                         __m512 zz; /* z - 136 s */
-                        const __m512 sc = group_scale(s, r, 136.0f, &zz);
+                        const __m512 sc = group_scale(sz, g, t * TILE + 16 * r, 136.0f, &zz);
                         for (int64_t m = 0; m < mr; m++) {
                             __m512 a = _mm512_load_ps(acc[m] + 16 * r);
                             a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][m]), a);
@@ -322,7 +351,7 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 /* The tiles of [t0, t1) for all M rows, with groups of GS columns. */
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const uint16_t *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
     int64_t ldy, const int GS, const int USE_LUT, __m512i lut) {
     const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
@@ -333,21 +362,21 @@ static inline __attribute__((always_inline)) void tile_loop(
         float out[4 * TILE];
         const int64_t t = u * step, nt = tiles - t < step ? tiles - t : step;
         const uint8_t *tile = packed + t * tile_bytes;
-        const uint16_t *s = sz + t * TILE * 2;
+        const int64_t row0 = t * TILE;
         for (int64_t m = 0; m < M;) {
             const int64_t mr = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
             const uint16_t *xm = x + m * ldx;
             const float *xs = xsum + m * groups;
             if (mr == 4)
-                tile_rows4(tile, s, n_pad * 2, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut);
+                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut);
             else if (nt == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 2, 1, GS,
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
                            USE_LUT, lut);
             else if (mr == 2)
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 2, GS,
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
                            USE_LUT, lut);
             else
-                tiles_rows(tile, tile_bytes, s, n_pad * 2, xm, ldx, K, groups, xs, out, 1, 1, GS,
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
                            USE_LUT, lut);
             /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
             for (int64_t i = 0; i < nt; i++) {
@@ -363,12 +392,14 @@ static inline __attribute__((always_inline)) void tile_loop(
 }
 
 /* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written); groups of gs = 32 or 16 columns;
- * lut: NULL (weights (c - 8) s + z) or 16 bf16 codebook values (weights lut[c] s + z).
+ * lut: NULL (weights (c - 8) s + z) or 16 bf16 codebook values (weights lut[c] s + z);
+ * half_scales: sz holds fp16 scales alone (see `Scales`).
  * Returns 0, -1 if out of memory, -2 for another group size. */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut) {
+            const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
     if (gs != 32 && gs != 16) return -2;
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (!xsum) return -1;
@@ -403,8 +434,10 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 /* W^T in bf16 for a dense matmul over many rows (prefill): wt[k][n] = sum over planes of
  * (c[n, k] - 8) s[k / gs, n] + z[k / gs, n], summed in fp32 and rounded once, for k < K and
  * n < n_pad (the padded rows come out as 0). wt: bf16 [K][n_pad]. */
-void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
-                    int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut) {
+void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int64_t n_pad,
+                    int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
+                    int64_t half_scales) {
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
     /* codebook weights: lut[c] s + z; others (c - 8) s + z = c s + (z - 8 s) */
     const __m512 lutf = lut ? load_bf16(lut, 0xFFFF) : _mm512_setzero_ps();
     const float bias = lut ? 0.0f : 8.0f;
@@ -414,11 +447,10 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
         const uint8_t *tile = packed + t * K2 * 32;
         for (int64_t g = 0; g < K / gs; g++) {
             __m512 sc[2][4], zz[2][4];
-            for (int64_t p = 0; p < planes; p++) {
-                const uint16_t *s = sz + ((p * K / gs + g) * n_pad + t * TILE) * 2;
+            for (int64_t p = 0; p < planes; p++)
                 for (int r = 0; r < 4; r++)
-                    sc[p][r] = group_scale(s, r, bias, &zz[p][r]);
-            }
+                    sc[p][r] = group_scale(sz, p * K / gs + g, t * TILE + 16 * r, bias,
+                                           &zz[p][r]);
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
                 __m512 w[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                                _mm512_setzero_ps()};

@@ -18,7 +18,7 @@
 
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut);
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out);
@@ -38,6 +38,7 @@ typedef struct {
     const uint16_t *sz;
     int64_t out_features, out_padded, planes, group_size;
     const uint16_t *lut; /* NULL, or the 16 bf16 values of a codebook weight */
+    int64_t half_scales; /* sz: fp16 scales alone (cpu_int4.c, `Scales`) */
 } PackedWeight;
 
 typedef struct {
@@ -54,7 +55,7 @@ typedef struct {
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */
     return int4_mm(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded, w->planes, y,
-                   w->out_features, w->group_size, w->lut) ? -2 : 0;
+                   w->out_features, w->group_size, w->lut, w->half_scales) ? -2 : 0;
 }
 
 /* x: bf16 [M][hidden], the step's embeddings; overwritten with the final normalized hidden

@@ -139,9 +139,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr],
+        "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64],
                     ctypes.c_int),
-        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr], None),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
         "silu_mul": ([ptr, i64, i64, i64, ptr], None),
@@ -198,35 +198,43 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     """x @ W.T for a packed int4 weight (`CpuPackedWeight` layout); call `available()` first.
 
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
-    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns;
+    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns,
+    or fp16 [in / gs, out_padded], the scales alone of a symmetric weight (`scales_layout`);
     lut: None, or the bf16 [16] codebook of an IQ4 weight (weights lut[c] s + z instead of
     (c - 8) s + z) -> bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None, "native kernels are not available"
     m, k = x.shape
     n_pad = packed.shape[0]
-    gs = group_size_of(scales_zeros, planes * k)
+    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
     if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
-            or not packed.is_contiguous() or not scales_zeros.is_contiguous()
-            or packed.shape[1] * 2 != planes * k or k % 32 or n_pad % TILE or gs is None
-            or scales_zeros.shape != (planes * k // gs, n_pad, 2)
-            or not 0 < out_features <= n_pad):
+            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
+            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad):
         raise ValueError(f"int4_mm: bad operands x {tuple(x.shape)} {x.dtype}, packed "
-                         f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)}, "
-                         f"planes {planes}, out {out_features}")
+                         f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)} "
+                         f"{scales_zeros.dtype}, planes {planes}, out {out_features}")
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     if m and lib.int4_mm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
                          scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
-                         out_features, gs, _lut_ptr(lut)):
+                         out_features, layout[0], _lut_ptr(lut), int(layout[1])):
         raise MemoryError("int4_mm: out of memory")
     return y
 
 
-def group_size_of(scales_zeros: torch.Tensor, k2: int) -> int | None:
-    """The group size (32 or 16) of a packed weight's [K2 / gs, out, 2] scales, or None."""
-    groups = scales_zeros.shape[0] if scales_zeros.dim() == 3 else 0
-    gs = k2 // groups if groups and k2 % groups == 0 else 0
-    return gs if gs in GROUP_SIZES else None
+def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
+                  ) -> tuple[int, bool] | None:
+    """(group size, half) of a packed weight's scales, or None when they fit neither form:
+    bf16 (scale, zero) pairs [K2 / gs, n_pad, 2] (half False), or the fp16 scales alone of a
+    symmetric weight, [K2 / planes / gs, n_pad] (half True: zeros implied, see cpu_int4.c)."""
+    half = scales.dtype == torch.float16
+    if not scales.is_contiguous() or scales.dim() != (2 if half else 3) or (
+            not half and (scales.dtype != torch.bfloat16 or scales.shape[2] != 2)):
+        return None
+    groups, k = scales.shape[0], k2 // planes if half else k2
+    gs = k // groups if groups and k % groups == 0 else 0
+    if gs not in GROUP_SIZES or scales.shape[1] != n_pad:
+        return None
+    return gs, half
 
 
 def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
@@ -236,46 +244,55 @@ def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int
     lib = _library()
     assert lib is not None
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
-    gs = group_size_of(scales_zeros, k2)
+    layout = scales_layout(scales_zeros, k2, planes, n_pad) if planes in (1, 2) else None
     if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
-            and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
-            and planes in (1, 2) and gs is not None and k2 % (planes * 32) == 0
-            and scales_zeros.shape == (k2 // gs, n_pad, 2)):
+            and layout is not None and k2 % (planes * 32) == 0):
         raise ValueError("int4_dequant_t: bad operands")
     k = k2 // planes
     wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr(), gs, _lut_ptr(lut))
+                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]))
     return wt
 
 
 def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
                        lut: torch.Tensor | None = None) -> torch.Tensor:
     k2 = packed.shape[1] * 2
-    w = _dequant_fp32(packed, scales_zeros, lut)  # [n_pad, K2]
+    w = _dequant_fp32(packed, scales_zeros, planes, lut)  # [n_pad, K2]
     k = k2 // planes
     return sum(w[:, p * k:(p + 1) * k] for p in range(planes)).t().to(torch.bfloat16)
 
 
-def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor,
+def group_scales_zeros(scales_zeros: torch.Tensor, planes: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (scale, zero) [K2 / gs, n_pad] each of either scales form (`scales_layout`)."""
+    if scales_zeros.dtype != torch.float16:
+        sz = scales_zeros.float()
+        return sz[..., 0], sz[..., 1]
+    s = scales_zeros.float()  # [K / gs, n_pad]
+    if planes == 1:
+        return s, torch.zeros_like(s)
+    return torch.cat((16.0 * s, s)), torch.cat((torch.zeros_like(s), 8.0 * s))
+
+
+def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
                   lut: torch.Tensor | None = None) -> torch.Tensor:
     """[n_pad, K2] fp32 weights of the packed layout, planes side by side."""
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     b = packed.view(n_pad // TILE, k2, TILE // 2)
     codes = torch.stack((b & 15, b >> 4), dim=2)  # [tiles, K2, 2, 32]: rows 64t + 32h + j
     codes = codes.permute(0, 2, 3, 1).reshape(n_pad, k2).float()
-    gs = k2 // scales_zeros.shape[0]
-    sz = scales_zeros.float()  # [K2 / gs, n_pad, 2]
-    scale = sz[..., 0].t().repeat_interleave(gs, dim=1)  # [n_pad, K2]
-    zero = sz[..., 1].t().repeat_interleave(gs, dim=1)
+    scale, zero = group_scales_zeros(scales_zeros, planes)  # [K2 / gs, n_pad]
+    gs = k2 // scale.shape[0]
     values = codes - 8.0 if lut is None else lut.float()[codes.long()]
-    return values * scale + zero
+    return (values * scale.t().repeat_interleave(gs, dim=1)
+            + zero.t().repeat_interleave(gs, dim=1))
 
 
 def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                 out_features: int, planes: int, lut: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch reference of `int4_mm`: dequantize to fp32, multiply, round to bf16."""
-    w = _dequant_fp32(packed, scales_zeros, lut)
+    w = _dequant_fp32(packed, scales_zeros, planes, lut)
     xin = x.float() if planes == 1 else torch.cat([x.float()] * planes, dim=1)
     return (xin @ w.t())[:, :out_features].to(torch.bfloat16)
 
@@ -464,7 +481,7 @@ class _PackedWeight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("out_padded", ctypes.c_int64),
                 ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64),
-                ("lut", ctypes.c_void_p)]
+                ("lut", ctypes.c_void_p), ("half_scales", ctypes.c_int64)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -484,7 +501,8 @@ class _DecoderDims(ctypes.Structure):
 class PackedLinear:
     """One packed int4 weight as `int4_mm` takes it."""
     packed: torch.Tensor  # uint8 [out_padded, planes * in / 2]
-    scales_zeros: torch.Tensor  # bf16 [planes * in / group_size, out_padded, 2]
+    # bf16 [planes * in / gs, out_padded, 2], or fp16 [in / gs, out_padded] (`scales_layout`)
+    scales_zeros: torch.Tensor
     in_features: int
     out_features: int
     planes: int
@@ -495,20 +513,21 @@ class PackedLinear:
         n_pad = self.packed.shape[0]
         if not (self.in_features == in_features and self.out_features == out_features
                 and self.packed.dtype == torch.uint8 and self.packed.is_contiguous()
-                and self.scales_zeros.dtype == torch.bfloat16
-                and self.scales_zeros.is_contiguous() and n_pad % TILE == 0
-                and out_features <= n_pad and in_features % 32 == 0
-                and self.group_size in GROUP_SIZES
+                and n_pad % TILE == 0 and out_features <= n_pad and in_features % 32 == 0
                 and self.packed.shape[1] * 2 == self.planes * in_features
-                and self.scales_zeros.shape == (self.planes * in_features // self.group_size,
-                                                n_pad, 2)):
+                and scales_layout(self.scales_zeros, self.planes * in_features, self.planes,
+                                  n_pad) == (self.group_size, self.half_scales)):
             raise ValueError(f"DecoderStack: {name} is not a packed [{out_features}, "
                              f"{in_features}] weight")
 
     def struct(self) -> _PackedWeight:
         return _PackedWeight(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
                              self.out_features, self.packed.shape[0], self.planes,
-                             self.group_size, _lut_ptr(self.lut))
+                             self.group_size, _lut_ptr(self.lut), int(self.half_scales))
+
+    @property
+    def half_scales(self) -> bool:
+        return self.scales_zeros.dtype == torch.float16
 
 
 @dataclass(frozen=True)

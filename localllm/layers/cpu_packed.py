@@ -18,6 +18,11 @@ groups of 16 (Q2_K, Q3_K, Q6_K), which only the native kernel (`kernels/cpu_int4
         plane L: c = l,     scale s,      zero = 8 * s
         stacked along K, so `[x, x] @ [W_H, W_L].T = x @ (W_H + W_L).T = x @ W.T`
 
+With the native kernels, a symmetric weight whose file stores fp16 scales (Q4_0, Q5_0, Q8_0,
+IQ4_NL: no offsets) keeps those scales alone, fp16 [in / group_size, out_padded], with the zeros
+above implied (`half`): half the bytes of the bf16 (scale, zero) pairs, a quarter for two
+planes (the default model's Q8_0 head: 30 MB instead of 37), and exact.
+
 Rows are padded to a multiple of 64 with zero weights. Int8 weights with one scale per output
 channel use `_weight_int8pack_mm` instead (`CpuInt8ChannelWeight`).
 
@@ -136,6 +141,11 @@ def slice_rows(w: Int4Weight | Int8Weight, start: int, end: int) -> Int4Weight |
 RowSource = Callable[[int, int], Int4Weight | Int8Weight]
 
 
+def _half_scales(w: Int4Weight | Int8Weight) -> bool:
+    """Whether `w` keeps its fp16 scales alone (see the module docstring)."""
+    return w.offsets is None and w.scales.dtype == torch.float16 and cpu_native.available()
+
+
 def _scales_zeros(w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's fp32 scales and zeros of each row and group, planes side by side:
     [out, planes * in / group_size] each (see the module docstring)."""
@@ -157,8 +167,12 @@ class CpuPackedWeight:
                  exact: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                  group_size: int = GROUP, codebook: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [out_padded, planes * in / 2]
-        self.scales_zeros = scales_zeros  # bf16 [planes * in / group_size, out_padded, 2]
-        # the source's own scales and offsets [out, in / group_size], for exact `rows`
+        # bf16 [planes * in / group_size, out_padded, 2], or (half) fp16 [in / group_size,
+        # out_padded]: see the module docstring
+        self.scales_zeros = scales_zeros
+        self.half = scales_zeros.dtype == torch.float16
+        # the source's own scales and offsets [out, in / group_size], for exact `rows` (half
+        # scales are the source's already)
         self.exact = exact
         self.group_size = group_size  # 32, or 16 (native kernels only)
         # the source's fp32 codebook of an IQ4 weight (native kernels only; exact in bf16),
@@ -189,7 +203,7 @@ class CpuPackedWeight:
         n_pad = out + (-out % TILE)
         packed = sz = None
         exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        planes, group_size = 1, GROUP
+        planes, group_size, half = 1, GROUP, False
         codebook: torch.Tensor | None = None
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
@@ -204,22 +218,28 @@ class CpuPackedWeight:
                 codebook = w.codebook if isinstance(w, Int4Weight) else None
                 groups = w.in_features // group_size
                 packed = torch.empty(n_pad, planes * w.in_features // 2, dtype=torch.uint8)
-                sz = torch.zeros(planes * groups, n_pad, 2, dtype=dtype)  # padding: weight 0
-                if exact_rows:
+                half = _half_scales(w)
+                # padding rows: scale (and zero) 0, so weight 0
+                sz = (torch.zeros(groups, n_pad, dtype=torch.float16) if half
+                      else torch.zeros(planes * groups, n_pad, 2, dtype=dtype))
+                if exact_rows and not half:
                     exact = (w.scales.new_empty(out, groups),
                              None if w.offsets is None else w.offsets.new_empty(out, groups))
             elif (1 if isinstance(w, Int4Weight) else 2) != planes \
                     or packed.shape[1] * 2 != planes * w.in_features \
-                    or w.group_size != group_size \
+                    or w.group_size != group_size or _half_scales(w) != half \
                     or (isinstance(w, Int4Weight) and codebook is not None
                         and (w.codebook is None or not torch.equal(w.codebook, codebook))):
                 raise ValueError("the rows of one weight changed format")
             packed[r:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 _codes(w, end - r).to(torch.int32), 1)
-            scales, zeros = _scales_zeros(w)  # [rows, planes * in / group_size] each
             stop = r + w.out_features
-            sz[:, r:stop, 0] = scales.t()
-            sz[:, r:stop, 1] = zeros.t()
+            if half:
+                sz[:, r:stop] = w.scales.t()
+            else:
+                scales, zeros = _scales_zeros(w)  # [rows, planes * in / group_size] each
+                sz[:, r:stop, 0] = scales.t()
+                sz[:, r:stop, 1] = zeros.t()
             if exact is not None:
                 exact[0][r:stop] = w.scales
                 if exact[1] is not None and w.offsets is not None:
@@ -234,7 +254,8 @@ class CpuPackedWeight:
         their layouts cannot be stacked (padded rows, different planes or input sizes)."""
         first = parts[0]
         if any(p.planes != first.planes or p.in_features != first.in_features
-               or p.group_size != first.group_size or p.out_features % TILE
+               or p.group_size != first.group_size or p.half != first.half
+               or p.out_features % TILE
                or (p.codebook is None) != (first.codebook is None)
                or (p.codebook is not None and first.codebook is not None
                    and not torch.equal(p.codebook, first.codebook)) for p in parts):
@@ -259,7 +280,7 @@ class CpuPackedWeight:
         if cpu_native.available():
             return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
                                       self.planes, self.lut)
-        if self.group_size != GROUP or self.lut is not None:  # beyond PyTorch's kernel
+        if self.group_size != GROUP or self.lut is not None or self.half:  # beyond PyTorch's
             return x @ self.dense_t()
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
@@ -273,7 +294,7 @@ class CpuPackedWeight:
                                            self.lut)
             n = self.out_features
             return wt if wt.shape[1] == n else wt[:, :n]
-        if self.lut is not None:  # the native kernels went away after packing (tests)
+        if self.lut is not None or self.half:  # the native kernels went away after packing
             wt = cpu_native.int4_dequant_t_ref(self.packed, self.scales_zeros, self.planes,
                                                self.lut)
             return wt[:, :self.out_features]
@@ -298,18 +319,23 @@ class CpuPackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to
-        the source format's `dequantize()` rows when built with `exact_rows`."""
+        the source format's `dequantize()` rows when built with `exact_rows` or half scales."""
         t, k2 = len(ids), self.packed.shape[1] * 2
-        half = TILE // 2
-        b = self.packed.view(-1, k2, half)[ids // TILE, :, ids % half]  # [T, planes * in]
-        c = torch.where((ids % TILE < half).unsqueeze(1), b & 15, b >> 4).float()
+        half_tile = TILE // 2
+        b = self.packed.view(-1, k2, half_tile)[ids // TILE, :, ids % half_tile]  # [T, K2]
+        c = torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
         gs = self.group_size
-        if self.exact is None:
+        if self.exact is None and not self.half:
             sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
             vals = c - 8.0 if self.lut is None else self.lut.float()[c.long()]
             w = (vals.view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
-        scales, offsets = self.exact
+        if self.half:
+            scales, offsets = self.scales_zeros[:, ids].t(), None  # [T, in / gs]
+        else:
+            assert self.exact is not None
+            scales = self.exact[0][ids]
+            offsets = None if self.exact[1] is None else self.exact[1][ids]
         if self.planes == 2:
             q = (c[:, :self.in_features] - 8.0) * 16.0 + c[:, self.in_features:]
         elif self.codebook is not None:
@@ -317,9 +343,9 @@ class CpuPackedWeight:
         else:
             q = c if offsets is not None else c - 8.0
         # the operation order of Int4Weight / Int8Weight.dequantize: scale * q (+ offset)
-        w = q.view(t, -1, gs) * scales[ids].float().unsqueeze(-1)
+        w = q.view(t, -1, gs) * scales.float().unsqueeze(-1)
         if offsets is not None:
-            w = w + offsets[ids].float().unsqueeze(-1)
+            w = w + offsets.float().unsqueeze(-1)
         return w.view(t, self.in_features)
 
 

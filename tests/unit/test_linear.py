@@ -74,6 +74,8 @@ def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -
     torch.testing.assert_close(lin.dense_weight().float(), ref, rtol=1e-2, atol=2e-3)
     ids = torch.tensor([0, 95, 31, 32, 63, 64, 5, 5])
     torch.testing.assert_close(lin.embed(ids).float(), ref[ids], rtol=1e-2, atol=2e-3)
+    if getattr(lin.qweight, "half", False):  # fp16 scales kept alone: exact rows anyway
+        assert torch.equal(lin.rows_fp32(ids), ref[ids])
     table = Linear(128, 96, bias=False, dtype=torch.bfloat16, exact_rows=True)
     table.set_quantized(w)
     # an embedding table's rows are the source's values, only rounded to bf16 once
