@@ -21,7 +21,8 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
-void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out);
+void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
+              int64_t ldo);
 int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
          int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
          const int64_t *pos, int neox);
@@ -94,7 +95,7 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
         if ((rc = matmul(&L->o, att, M, nh * hd, y))) break;
         rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
         if ((rc = matmul(&L->gate_up, h, M, H, gu))) break;
-        silu_mul(gu, 2 * inter, M, inter, act);
+        silu_mul(gu, 2 * inter, M, inter, act, inter);
         rc = matmul(&L->down, act, M, inter, y);
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);

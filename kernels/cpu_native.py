@@ -141,10 +141,13 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64],
                     ctypes.c_int),
-        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
+        "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
+                       i64], ctypes.c_int),
+        "int4_gemm_ready": ([], ctypes.c_int),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
-        "silu_mul": ([ptr, i64, i64, i64, ptr], None),
+        "silu_mul": ([ptr, i64, i64, i64, ptr, i64], None),
         "rope": ([ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int], ctypes.c_int),
         "kv_store": ([ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64], ctypes.c_int),
         "decode_attention": ([ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
@@ -185,6 +188,27 @@ def available() -> bool:
     return _library() is not None
 
 
+_gemm_on = os.environ.get("LOCALLLM_PREFILL_GEMM", "1") != "0"
+
+
+def gemm_available() -> bool:
+    """Whether `int4_gemm` runs prompts here: the native kernels, and AMX tiles (amx_tile,
+    amx_bf16) that the OS lets this process use. Unlike `amx_enabled` (decode batches), this
+    is on by default: a prompt's rows never ran the decode kernel anyway (they were a dense
+    bf16 matmul), and a row's sums do not depend on its batch. LOCALLLM_PREFILL_GEMM=0 turns
+    it off."""
+    lib = _library()
+    return (_gemm_on and lib is not None and _cpu_has(AMX_FLAGS)
+            and bool(lib.int4_gemm_ready()))
+
+
+def set_gemm(on: bool) -> bool:
+    """Turn `int4_gemm` on or off for this process (tests and A/B runs); returns the state."""
+    global _gemm_on
+    _gemm_on = on
+    return gemm_available()
+
+
 def _lut_ptr(lut: torch.Tensor | None) -> int | None:
     if lut is None:
         return None
@@ -221,6 +245,42 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     return y
 
 
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+              out_features: int, planes: int, lut: torch.Tensor | None = None,
+              gated: bool = False) -> torch.Tensor:
+    """x @ W.T over many rows on AMX tiles (check `gemm_available()`), with W's bf16 weights
+    those of `int4_dequant_t`; operands as for `int4_mm`. `gated`: W stacks gate and up
+    (out_features = 2 I, I a multiple of 64) and the result is silu(x Wg^T) * (x Wu^T),
+    bf16 [M, I]; else bf16 [M, out_features]."""
+    lib = _library()
+    assert lib is not None and gemm_available(), "int4_gemm needs the native kernels and AMX"
+    m, k = x.shape
+    n_pad = packed.shape[0]
+    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
+    if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
+            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
+            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad
+            or (gated and out_features % (2 * TILE))):
+        raise ValueError(f"int4_gemm: bad operands x {tuple(x.shape)} {x.dtype}, packed "
+                         f"{tuple(packed.shape)}, planes {planes}, out {out_features}")
+    n = out_features // 2 if gated else out_features
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m and lib.int4_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
+                           scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
+                           n, layout[0], _lut_ptr(lut), int(layout[1]), int(gated)):
+        raise MemoryError("int4_gemm: out of memory")
+    return y
+
+
+def int4_gemm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  out_features: int, planes: int, lut: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """Plain-PyTorch reference of `int4_gemm`: bf16 weights, fp32 sums, bf16 products."""
+    wt = int4_dequant_t_ref(packed, scales_zeros, planes, lut)[:, :out_features]
+    y = (x.float() @ wt.float()).to(torch.bfloat16)
+    return silu_mul_ref(y) if gated else y
+
+
 def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
                   ) -> tuple[int, bool] | None:
     """(group size, half) of a packed weight's scales, or None when they fit neither form:
@@ -238,20 +298,28 @@ def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
 
 
 def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
-                   lut: torch.Tensor | None = None) -> torch.Tensor:
+                   lut: torch.Tensor | None = None, tiles: tuple[int, int] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """W.T of a packed int4 weight in bf16, [in, out_padded] (padded rows are 0): for one dense
-    matmul over many rows. Planes are summed in fp32 and rounded once."""
+    matmul over many rows. Planes are summed in fp32 and rounded once. `tiles` (t0, t1): only
+    the rows of those 64-row tiles, [in, 64 (t1 - t0)]; `out`: written there (unit column
+    stride) instead of a new tensor."""
     lib = _library()
     assert lib is not None
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     layout = scales_layout(scales_zeros, k2, planes, n_pad) if planes in (1, 2) else None
+    t0, t1 = tiles if tiles is not None else (0, n_pad // TILE)
     if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
-            and layout is not None and k2 % (planes * 32) == 0):
+            and layout is not None and k2 % (planes * 32) == 0
+            and 0 <= t0 <= t1 <= n_pad // TILE):
         raise ValueError("int4_dequant_t: bad operands")
     k = k2 // planes
-    wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
+    wt = torch.empty(k, (t1 - t0) * TILE, dtype=torch.bfloat16) if out is None else out
+    if wt.shape != (k, (t1 - t0) * TILE) or not _rows(wt):
+        raise ValueError(f"int4_dequant_t: out must be bf16 [{k}, {(t1 - t0) * TILE}] rows")
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]))
+                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]), t0, t1,
+                       wt.stride(0))
     return wt
 
 
@@ -329,15 +397,19 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16 [T, 2 I] (gate | up) -> silu(gate) * up, [T, I]."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [T, 2 I] (gate | up) -> silu(gate) * up, [T, I] (into `out`, rows of unit
+    column stride, when given)."""
     lib = _library()
     assert lib is not None
     t, n = gate_up.shape
     if not _rows(gate_up) or n % 2:
         raise ValueError("silu_mul: expects bf16 [T, 2 * I] rows")
-    out = torch.empty(t, n // 2, dtype=torch.bfloat16)
-    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, n // 2, out.data_ptr())
+    out = torch.empty(t, n // 2, dtype=torch.bfloat16) if out is None else out
+    if out.shape != (t, n // 2) or not _rows(out):
+        raise ValueError(f"silu_mul: out must be bf16 [{t}, {n // 2}] rows")
+    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, n // 2, out.data_ptr(),
+                 out.stride(0))
     return out
 
 

@@ -14,24 +14,6 @@
 
 #include "cpu_simd.h"
 
-/* e^x for x in [-88, 88] (clamped), relative error about 2e-7 */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* RMSNorm of each row of x (bf16 [rows][dim], row stride ldx) into out (stride ldo):
  * out = bf16((x * rsqrt(mean(x^2) + eps)) * w), computed in fp32.
  * With `res` (stride ldr), x is first added to it: res = bf16(x + res), and res is normalized
@@ -65,21 +47,10 @@ void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const 
 
 /* out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up] (bf16 [rows][2 * inter], row
  * stride ld), as `F.silu(gate) * up` rounds. out: bf16 [rows][inter], contiguous. */
-void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out) {
+void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
+              int64_t ldo) {
 #pragma omp parallel for schedule(static) if (rows >= 32)
-    for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *g = gate_up + t * ld, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 16) {
-            const __mmask16 m = tail_mask(inter - i);
-            const __m512 gv = load_bf16(g + i, m);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            /* round silu to bf16 first, as the two-op PyTorch expression does */
-            s = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s)), 16));
-            store_bf16(out + t * inter + i, _mm512_mul_ps(s, load_bf16(u + i, m)), m);
-        }
-    }
+    for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
 }
 
 /* Rotary embedding, in place, on the first `heads` heads of each token of x (bf16, token

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from localllm.config import ModelConfig
-from localllm.layers.activation import silu_and_mul, silu_and_mul_fused
+from localllm.layers.activation import silu_and_mul
 from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from localllm.layers.cpu_packed import decode_rows
 from localllm.layers.fused_decode import FusedDecode
@@ -90,7 +90,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            return self.down_proj(silu_and_mul_fused(self.gate_up_proj(x)))
+            return self.down_proj(self.gate_up_proj.silu_gated(x))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 

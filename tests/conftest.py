@@ -41,15 +41,17 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-@pytest.fixture(params=["native", "pytorch"])
+@pytest.fixture(params=["native", "native-dense", "pytorch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test through the native CPU kernels and again through PyTorch ops alone (the
-    path of machines without AVX-512 BF16 or a compiler)."""
+    """Runs a test through the native CPU kernels (prompts on AMX tiles where the CPU has
+    them), through them with prompts as dequantize + PyTorch matmul (AVX-512 without AMX),
+    and through PyTorch ops alone (machines without AVX-512 BF16 or a compiler)."""
     from localllm.kernels import cpu_native
 
-    if request.param == "native":
+    if request.param.startswith("native"):
         if not cpu_native.available():
             pytest.skip("native CPU kernels are not available here (AVX-512 BF16 + compiler)")
+        monkeypatch.setattr(cpu_native, "_gemm_on", request.param == "native")
     else:
         monkeypatch.setattr(cpu_native, "_library", lambda: None)
     return str(request.param)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localllm.layers.activation import silu_and_mul_fused
 from localllm.layers.cpu_packed import (
     CpuPackedWeight,
     CpuQuantWeight,
@@ -27,6 +28,8 @@ from localllm.layers.cpu_packed import (
     cpu_quant_weight,
 )
 from localllm.quant.formats import Int4Weight, Int8Weight
+
+EMBED_ROWS = 64  # embedding rows unpacked at a time
 
 
 def quantized_cpu_supported(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
@@ -95,7 +98,12 @@ class Linear(nn.Module):
         if self.weight is not None:
             return F.embedding(ids, self.weight)
         assert self.qweight is not None
-        return self.qweight.rows(ids).to(self.dtype)
+        # a few rows at a time: unpacking a 512-token prompt's rows at once held 8 MB of fp32
+        # temporaries, the largest allocation of its step
+        out = torch.empty(len(ids), self.in_features, dtype=self.dtype)
+        for start in range(0, len(ids), EMBED_ROWS):
+            out[start:start + EMBED_ROWS] = self.qweight.rows(ids[start:start + EMBED_ROWS])
+        return out
 
     def rows_fp32(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [n] -> rows of W [n, in_features] in fp32 (exact with `exact_rows`)
@@ -103,6 +111,13 @@ class Linear(nn.Module):
             return self.weight[ids].float()
         assert self.qweight is not None
         return self.qweight.rows(ids)
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
+        # a layer stacking gate and up (`fuse_linears`): x [num_tokens, in_features] ->
+        # silu(gate) * up [num_tokens, out_features / 2]
+        if self.bias is None and isinstance(self.qweight, CpuPackedWeight):
+            return self.qweight.silu_gated(x)
+        return silu_and_mul_fused(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]

@@ -243,6 +243,66 @@ def test_int4_dequant_t(planes: int, group: int, offsets: bool) -> None:
     assert not wt[:, 96:].any()  # padding rows are zero weights
 
 
+def test_int4_dequant_t_of_some_tiles_into_a_slice() -> None:
+    w = packed(320, 128, 2, offsets=False)
+    full = cn.int4_dequant_t(w.packed, w.scales_zeros, 2)
+    out = torch.zeros(128, 3 * 64 + 10, dtype=torch.bfloat16)
+    got = cn.int4_dequant_t(w.packed, w.scales_zeros, 2, tiles=(1, 4), out=out[:, 5:197])
+    assert got.data_ptr() == out[:, 5:].data_ptr()
+    assert torch.equal(out[:, 5:197], full[:, 64:256])
+    assert not out[:, :5].any() and not out[:, 197:].any()  # nothing outside the slice
+    with pytest.raises(ValueError, match="bad operands"):
+        cn.int4_dequant_t(w.packed, w.scales_zeros, 2, tiles=(4, 6))
+
+
+def test_silu_mul_into_a_slice() -> None:
+    gu = (torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    out = torch.zeros(5, 100, dtype=torch.bfloat16)
+    cn.silu_mul(gu, out=out[:, 30:70])
+    assert torch.equal(out[:, 30:70], cn.silu_mul(gu))
+    assert not out[:, :30].any() and not out[:, 70:].any()
+
+
+needs_gemm = pytest.mark.skipif(not cn.gemm_available(), reason="this CPU has no AMX "
+                                "(amx_tile, amx_bf16): prompts take dequantize + matmul, which "
+                                "the cpu_path tests cover")
+
+
+@needs_gemm
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("weight", ["int4", "int4-half", "int8-half", "int8-g16", "codebook"])
+@pytest.mark.parametrize("rows", [1, 16, 33, 200])  # 33, 200: a partial block of 16 rows
+def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> None:
+    if weight == "codebook":
+        w = CpuPackedWeight.from_weight(iq4_weight(256, 128), torch.bfloat16)
+        planes = 1
+    else:
+        planes = 2 if weight.startswith("int8") else 1
+        w = packed(256, 128, planes, group=16 if weight.endswith("g16") else 32,
+                   offsets=not weight.endswith("half"))
+    x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
+    got = cn.int4_gemm(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
+    want = cn.int4_gemm_ref(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
+    assert got.shape == (rows, 128 if gated else 256)
+    # gated: a product one bf16 step off (fp32 sums in another order) moves the activation up
+    # to two steps
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2 if gated else 8e-3,
+                               atol=1e-5 * float(want.float().abs().max()))
+
+
+@needs_gemm
+def test_int4_gemm_rows_do_not_depend_on_the_batch() -> None:
+    w = packed(200, 128, 1)  # a padded last tile: 200 of 256 rows written
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    batched = cn.int4_gemm(x, w.packed, w.scales_zeros, 200, 1)
+    assert batched.shape == (40, 200)
+    for i in (0, 17, 39):
+        assert torch.equal(cn.int4_gemm(x[i:i + 1], w.packed, w.scales_zeros, 200, 1)[0],
+                           batched[i])
+    with pytest.raises(ValueError, match="bad operands"):  # 200 rows are no gate/up pair
+        cn.int4_gemm(x, w.packed, w.scales_zeros, 200, 1, gated=True)
+
+
 def test_a_failed_build_falls_back_with_a_one_line_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # a compiler that fails: no library, PyTorch ops serve, and the log says why in one line

@@ -8,8 +8,9 @@ import torch
 
 from localllm.kernels import cpu_native
 from localllm.layers import cpu_packed
+from localllm.layers.activation import silu_and_mul
 from localllm.layers.cpu_packed import CpuPackedWeight, decode_rows
-from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.layers.linear import Linear, fuse_linears, quantized_cpu_supported
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
 from localllm.quant.quantize import quantize_int8
 
@@ -95,7 +96,7 @@ def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -
     # decode results must not depend on how many requests share the step (AMX, opt-in, trades
     # this for batch speed: test_cpu_native.py covers it)
     lin, x = quantized_linear_and_rows(kind, 8, seed=2)
-    amx = cpu_path == "native" and cpu_native.amx_enabled()
+    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
     if amx:
         cpu_native.set_amx(False)  # LOCALLLM_AMX=1 in the environment
     try:
@@ -125,7 +126,7 @@ def test_unsupported_formats_are_refused(cpu_path: str) -> None:
         lin.set_quantized(w)
     g16 = Int4Weight(w.qweight, w.scales.repeat_interleave(2, 1), None, 16)
     # groups of 16 (Q2_K, Q3_K, Q6_K): only the native kernels have them
-    assert quantized_cpu_supported(g16, torch.bfloat16) == (cpu_path == "native")
+    assert quantized_cpu_supported(g16, torch.bfloat16) == cpu_path.startswith("native")
     nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
     assert not quantized_cpu_supported(nf4, torch.bfloat16)  # not exact in bf16
     assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)
@@ -163,4 +164,31 @@ def test_decoding_rows_keep_the_kernel_beside_a_long_prompt(kind: str, cpu_path:
     for i in range(3):
         assert torch.equal(y[i], lin(x[i:i + 1])[0])
     assert lin.qweight is not None
-    assert torch.equal(y[3:], x[3:] @ lin.qweight.dense_t())
+    assert torch.equal(y[3:], lin(x[3:]))  # the prompt rows as alone
+    ref = x[3:].float() @ lin.dense_weight().float().t()
+    assert (y[3:].float() - ref).abs().max() <= bf16_rounded_error(ref)
+
+
+@pytest.mark.parametrize("kind", ["q4_1-like", "q8_0-like"])
+@pytest.mark.parametrize("decoding", [0, 3])
+def test_gated_mlp_product_beside_decoding_rows(kind: str, decoding: int, cpu_path: str) -> None:
+    # silu(x Wg^T) * (x Wu^T) of a stacked gate/up layer: decoding rows as alone, a prompt's
+    # rows (on AMX tiles where there are, one tile at a time) close to the product's reference
+    gate, up = WEIGHTS[kind](128), WEIGHTS[kind](128)
+    parts = []
+    for w in (gate, up):
+        part = Linear(128, 128, bias=False, dtype=torch.bfloat16)
+        part.set_quantized(w)
+        parts.append(part)
+    lin = fuse_linears(parts)
+    assert lin is not None
+    x = torch.randn(80, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with decode_rows(decoding):
+        y = lin.silu_gated(x)
+    assert y.shape == (80, 128)
+    for i in range(decoding):
+        assert torch.equal(y[i], lin.silu_gated(x[i:i + 1])[0])
+    ref = silu_and_mul(x.float() @ gate.dequantize().t(), x.float() @ up.dequantize().t())
+    # each product rounds to bf16 before the activation (and the prompt's weights too)
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err  # measured up to 0.85e-2
