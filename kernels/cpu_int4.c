@@ -2,7 +2,9 @@
  *
  * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
  * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K);
- * codebook weights (IQ4_NL, IQ4_XS) use lut[c] in place of c - 8.
+ * codebook weights (IQ4_NL, IQ4_XS, NF4) use lut[c] in place of c - 8: `lut` holds 32 bf16
+ * values, the codebook's bf16 roundings hi[16] and what they leave, lo[16] = bf16(v - hi) (zero
+ * for the integer IQ4 codebooks), so that hi + lo carries NF4's values to about 2^-17.
  *
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
  * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
@@ -62,28 +64,41 @@ static inline __attribute__((always_inline)) void unpack_pairs(__m512i b, __m512
     w[3] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, hi);
 }
 
-/* The same four vectors for a codebook weight (IQ4_NL, IQ4_XS): each code c becomes lut[c], a
- * bf16 value (the codebook is exact in bf16: integers), and the epilogue adds no bias. */
-static inline __attribute__((always_inline)) void unpack_pairs_lut(__m512i b, __m512i w[4],
-                                                                   __m512i lut) {
+/* The same four vectors for a codebook weight: each code c becomes lut[c], a bf16 value, and
+ * with TERMS = 2 also wlo[r] = lut_lo[c] (the codebook's remainder); the epilogue adds no
+ * bias. */
+static inline __attribute__((always_inline)) void unpack_pairs_lut(
+    __m512i b, __m512i w[4], __m512i wlo[4], __m512i lut, __m512i lut_lo, const int TERMS) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
     const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
     const __m512i lo = _mm512_and_si512(b, low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     /* 16-bit lanes holding the codes, then a 16-entry table lookup (vpermw) */
-    w[0] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, lo), lut);
-    w[1] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, lo), lut);
-    w[2] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, hi), lut);
-    w[3] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, hi), lut);
+    const __m512i c[4] = {_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, lo),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, lo),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, hi),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, hi)};
+    for (int r = 0; r < 4; r++) {
+        w[r] = _mm512_permutexvar_epi16(c[r], lut);
+        if (TERMS == 2) wlo[r] = _mm512_permutexvar_epi16(c[r], lut_lo);
+    }
 }
 
-static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4],
-                                                         const int USE_LUT, __m512i lut) {
+/* USE_LUT: 0 plain codes, 1 a codebook exact in bf16, 2 a codebook in two bf16 terms */
+static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4], __m512i wlo[4],
+                                                         const int USE_LUT, __m512i lut,
+                                                         __m512i lut_lo) {
     if (USE_LUT)
-        unpack_pairs_lut(b, w, lut);
+        unpack_pairs_lut(b, w, wlo, lut, lut_lo, USE_LUT);
     else
         unpack_pairs(b, w);
+}
+
+/* the fp32 codebook hi + lo of a `lut` (see the top of this file) */
+static inline __m512 codebook_f32(const uint16_t *lut) {
+    return lut ? _mm512_add_ps(load_bf16(lut, 0xFFFF), load_bf16(lut + 16, 0xFFFF))
+               : _mm512_setzero_ps();
 }
 
 /* A weight's per-group scales and zeros, in one of two forms:
@@ -135,7 +150,7 @@ static inline __m512 group_scale(const Scales *s, int64_t g, int64_t row, float 
 static inline __attribute__((always_inline)) void tiles_rows(
     const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
-    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut) {
+    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
@@ -158,12 +173,15 @@ static inline __attribute__((always_inline)) void tiles_rows(
             for (int i = 0; i < NT; i++) {
                 const uint8_t *p = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
                 _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i w[4];
-                unpack(_mm512_loadu_si512(p), w, USE_LUT, lut);
+                __m512i w[4], wlo[4];
+                unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
                 for (int m = 0; m < MR; m++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
-                    for (int r = 0; r < 4; r++)
+                    for (int r = 0; r < 4; r++) {
                         a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)w[r], xb);
+                        if (USE_LUT == 2)
+                            a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)wlo[r], xb);
+                    }
                 }
             }
         }
@@ -191,7 +209,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
 static inline __attribute__((always_inline)) void tile_rows4(
     const uint8_t *tile, const Scales *sz, int64_t row0, const uint16_t *x,
     int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
-    const int USE_LUT, __m512i lut) {
+    const int USE_LUT, __m512i lut, __m512i lut_lo) {
     for (int i = 0; i < 4 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
@@ -205,14 +223,17 @@ static inline __attribute__((always_inline)) void tile_rows4(
         for (int kp = 0; kp < GS / 2; kp++) {
             const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
             _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-            __m512i w[4];
-            unpack(_mm512_loadu_si512(p), w, USE_LUT, lut);
+            __m512i w[4], wlo[4];
+            unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
             for (int m = 0; m < 4; m++) {
                 int32_t pair;
                 __builtin_memcpy(&pair, x + m * ldx + kx + 2 * kp, 4);
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                for (int r = 0; r < 4; r++)
+                for (int r = 0; r < 4; r++) {
                     a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)w[r], xb);
+                    if (USE_LUT == 2)
+                        a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)wlo[r], xb);
+                }
             }
         }
         for (int r = 0; r < 4; r++) {
@@ -352,7 +373,7 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, const int GS, const int USE_LUT, __m512i lut) {
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
     const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows four (then two, one) at a time */
@@ -368,16 +389,16 @@ static inline __attribute__((always_inline)) void tile_loop(
             const uint16_t *xm = x + m * ldx;
             const float *xs = xsum + m * groups;
             if (mr == 4)
-                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut);
+                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
             else if (nt == 2)
                 tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
-                           USE_LUT, lut);
+                           USE_LUT, lut, lut_lo);
             else if (mr == 2)
                 tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
-                           USE_LUT, lut);
+                           USE_LUT, lut, lut_lo);
             else
                 tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
-                           USE_LUT, lut);
+                           USE_LUT, lut, lut_lo);
             /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
             for (int64_t i = 0; i < nt; i++) {
                 const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
@@ -392,7 +413,8 @@ static inline __attribute__((always_inline)) void tile_loop(
 }
 
 /* x: bf16 [M][ldx] (K used); y: bf16 [M][ldy] (N written); groups of gs = 32 or 16 columns;
- * lut: NULL (weights (c - 8) s + z) or 16 bf16 codebook values (weights lut[c] s + z);
+ * lut: NULL (weights (c - 8) s + z) or a codebook's 32 bf16 values hi | lo (weights
+ * (hi[c] + lo[c]) s + z; see the top of this file);
  * half_scales: sz holds fp16 scales alone (see `Scales`).
  * Returns 0, -1 if out of memory, -2 for another group size. */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -416,16 +438,24 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             xsum[m * groups + g] = acc;
         }
     const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
+    const __m512i lutlo = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut + 16) : _mm512_setzero_si512();
+    /* a codebook exact in bf16 (lo all zero: 0x0000 or 0x8000) takes one product per weight */
+    const int terms = !lut ? 0
+                      : _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) ? 2 : 1;
     if (amx_enabled && M >= AMX_MIN_ROWS && gs == GROUP && !lut)
         amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
-    else if (gs == 32 && !lut)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv);
-    else if (gs == 16 && !lut)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv);
+    else if (gs == 32 && terms == 0)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo);
+    else if (gs == 16 && terms == 0)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv, lutlo);
+    else if (gs == 32 && terms == 1)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv, lutlo);
+    else if (gs == 16 && terms == 1)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv, lutlo);
     else if (gs == 32)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 2, lutv, lutlo);
     else
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 2, lutv, lutlo);
     free(xsum);
     return 0;
 }
@@ -468,7 +498,7 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int6
                     int64_t half_scales, int64_t t0, int64_t t1, int64_t ldw) {
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
     /* codebook weights: lut[c] s + z; others (c - 8) s + z = c s + (z - 8 s) */
-    const __m512 lutf = lut ? load_bf16(lut, 0xFFFF) : _mm512_setzero_ps();
+    const __m512 lutf = codebook_f32(lut);
     const float bias = lut ? 0.0f : 8.0f;
     const int64_t K2 = planes * K;
 #pragma omp parallel for schedule(static)
@@ -519,7 +549,7 @@ static void tile_pairs(const uint8_t *packed, const Scales *sz, int64_t K, int64
         0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i idx = _mm512_load_si512(inter_idx);
-    const __m512 lutf = lut ? load_bf16(lut, 0xFFFF) : _mm512_setzero_ps();
+    const __m512 lutf = codebook_f32(lut);
     const float bias = lut ? 0.0f : 8.0f;
     const uint8_t *tile = packed + t * planes * K * 32;
     for (int64_t g = 0; g < K / gs; g++) {

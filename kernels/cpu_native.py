@@ -209,11 +209,26 @@ def set_gemm(on: bool) -> bool:
     return gemm_available()
 
 
+def codebook_lut(codebook: torch.Tensor) -> torch.Tensor:
+    """The kernels' form of a 16-entry codebook: bf16 [32], its bf16 rounding hi and the
+    remainder lo = bf16(v - hi) (zero for integer codebooks such as IQ4_NL's), so that
+    hi + lo holds values such as NF4's to about 2^-17. The kernels take one product per weight
+    when lo is zero, two (hi and lo) otherwise."""
+    v = codebook.float().reshape(16)
+    hi = v.bfloat16()
+    return torch.cat((hi, (v - hi.float()).bfloat16())).contiguous()
+
+
+def lut_values(lut: torch.Tensor) -> torch.Tensor:
+    """fp32 [16] codebook values hi + lo of a `codebook_lut`."""
+    return lut[:16].float() + lut[16:].float()
+
+
 def _lut_ptr(lut: torch.Tensor | None) -> int | None:
     if lut is None:
         return None
-    if lut.shape != (16,) or lut.dtype != torch.bfloat16 or not lut.is_contiguous():
-        raise ValueError("a codebook must be bf16 [16], contiguous")
+    if lut.shape != (32,) or lut.dtype != torch.bfloat16 or not lut.is_contiguous():
+        raise ValueError("a codebook must be bf16 [32] (codebook_lut), contiguous")
     return lut.data_ptr()
 
 
@@ -224,7 +239,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
     scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns,
     or fp16 [in / gs, out_padded], the scales alone of a symmetric weight (`scales_layout`);
-    lut: None, or the bf16 [16] codebook of an IQ4 weight (weights lut[c] s + z instead of
+    lut: None, or the `codebook_lut` of a codebook weight (weights v[c] s + z instead of
     (c - 8) s + z) -> bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None, "native kernels are not available"
@@ -352,7 +367,7 @@ def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
     codes = codes.permute(0, 2, 3, 1).reshape(n_pad, k2).float()
     scale, zero = group_scales_zeros(scales_zeros, planes)  # [K2 / gs, n_pad]
     gs = k2 // scale.shape[0]
-    values = codes - 8.0 if lut is None else lut.float()[codes.long()]
+    values = codes - 8.0 if lut is None else lut_values(lut)[codes.long()]
     return (values * scale.t().repeat_interleave(gs, dim=1)
             + zero.t().repeat_interleave(gs, dim=1))
 
@@ -579,7 +594,7 @@ class PackedLinear:
     out_features: int
     planes: int
     group_size: int = GROUP
-    lut: torch.Tensor | None = None  # bf16 [16]: the codebook of an IQ4 weight
+    lut: torch.Tensor | None = None  # bf16 [32]: a codebook weight's `codebook_lut`
 
     def check(self, name: str, in_features: int, out_features: int) -> None:
         n_pad = self.packed.shape[0]

@@ -111,14 +111,11 @@ def packed_group_sizes() -> tuple[int, ...]:
 
 def cpu_packable(w: Int4Weight | Int8Weight, dtype: torch.dtype) -> bool:
     """Whether `w` can be held packed for CPU compute in `dtype` (bf16 only). Codebook
-    weights need the native kernels and a codebook that bf16 holds exactly (IQ4_NL and
-    IQ4_XS: integers; not NF4)."""
+    weights (IQ4_NL, IQ4_XS, NF4) need the native kernels."""
     if dtype != torch.bfloat16 or w.in_features % GROUP:
         return False
     if isinstance(w, Int4Weight):
-        if w.codebook is not None and not (
-                cpu_native.available()
-                and torch.equal(w.codebook.bfloat16().float(), w.codebook.float())):
+        if w.codebook is not None and not cpu_native.available():
             return False
         return w.group_size in packed_group_sizes()
     return w.group_size in packed_group_sizes() or (w.per_channel and w.offsets is None)
@@ -183,10 +180,10 @@ class CpuPackedWeight:
         # scales are the source's already)
         self.exact = exact
         self.group_size = group_size  # 32, or 16 (native kernels only)
-        # the source's fp32 codebook of an IQ4 weight (native kernels only; exact in bf16),
-        # and its bf16 copy for the kernels
+        # the source's fp32 codebook of an IQ4 or NF4 weight (native kernels only), and its
+        # two-term bf16 form for the kernels (`cpu_native.codebook_lut`)
         self.codebook = codebook
-        self.lut = None if codebook is None else codebook.bfloat16().contiguous()
+        self.lut = None if codebook is None else cpu_native.codebook_lut(codebook)
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
@@ -358,7 +355,7 @@ class CpuPackedWeight:
         gs = self.group_size
         if self.exact is None and not self.half:
             sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
-            vals = c - 8.0 if self.lut is None else self.lut.float()[c.long()]
+            vals = c - 8.0 if self.codebook is None else self.codebook.float()[c.long()]
             w = (vals.view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
         if self.half:

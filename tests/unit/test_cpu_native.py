@@ -13,11 +13,12 @@ from gguf_factory import ModelSpec, write_model
 
 from localllm.engine.model_runner import prompt_logits
 from localllm.kernels import cpu_native as cn
+from localllm.layers import cpu_packed
 from localllm.layers.cpu_packed import CpuPackedWeight
 from localllm.layers.fused_decode import build_stack
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.loader import load_gguf
-from localllm.quant.formats import Int4Weight, pack_nibbles
+from localllm.quant.formats import NF4_CODEBOOK, Int4Weight, pack_nibbles
 
 pytestmark = pytest.mark.skipif(
     not cn.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) and a C "
@@ -355,7 +356,48 @@ def test_codebook_weight_in_a_linear_layer_and_as_embedding_rows() -> None:
     assert torch.equal(lin.rows_fp32(ids), ref[ids])  # exact: the file's own values
 
 
-def test_nf4_codebook_is_not_exact_in_bf16_and_stays_dense() -> None:
-    nf4 = Int4Weight(iq4_weight(64, 64).qweight, iq4_weight(64, 64).scales, None, 32,
-                     torch.linspace(-1, 1, 16))
-    assert not quantized_cpu_supported(nf4, torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: a prompt's dense path
+def test_nf4_weight_stays_packed_with_its_fp32_values(rows: int) -> None:
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
+    absmax = torch.rand(96, 4, generator=g) + 0.05  # fp32 scales, as bitsandbytes keeps them
+    src = Int4Weight(pack_nibbles(codes), absmax, None, 32, torch.tensor(NF4_CODEBOOK))
+    assert quantized_cpu_supported(src, torch.bfloat16)
+    lin = Linear(128, 96, bias=False, dtype=torch.bfloat16, exact_rows=True)
+    lin.set_quantized(src)
+    assert isinstance(lin.qweight, CpuPackedWeight) and lin.qweight.lut is not None
+    assert lin.qweight.lut[16:].any()  # NF4 is not exact in bf16: two terms
+    ref = src.dequantize()
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    want = x.float() @ ref.t()
+    got = lin(x).float()
+    w = lin.qweight
+    if rows <= cpu_packed.NATIVE_KERNEL_MAX_ROWS:  # the kernel: the codebook's two terms
+        exact = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)  # same bf16 scales
+        bf16_close(got, exact.float(), atol=1e-5 * float(want.abs().max()))
+    # bf16 scales (and for a prompt, bf16 weights): within bf16 rounding of the fp32 product
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    ids = torch.tensor([0, 5, 95])
+    assert torch.equal(lin.rows_fp32(ids), ref[ids])  # exact: the source's own values
+    lut = cn.codebook_lut(torch.tensor(NF4_CODEBOOK))
+    assert float((cn.lut_values(lut) - torch.tensor(NF4_CODEBOOK)).abs().max()) < 1e-5
+
+
+def test_nf4_with_fp16_scales_rounds_like_the_fp32_product() -> None:
+    # exact scales (kept alone, fp16) and both codebook terms: the kernel's outputs are the
+    # fp32 product rounded to bf16 (fp32 sums aside); the codebook's bf16 rounding alone
+    # (one term) misses about a quarter of them
+    g = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 16, (96, 512), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(96, 16, generator=g) + 0.05).half()
+    src = Int4Weight(pack_nibbles(codes), scales, None, 32, torch.tensor(NF4_CODEBOOK))
+    w = CpuPackedWeight.from_weight(src, torch.bfloat16)
+    assert w.half and w.lut is not None
+    x = torch.randn(3, 512, generator=g).bfloat16()
+    want = (x.float() @ src.dequantize().t()).bfloat16()
+    one_term = torch.cat((w.lut[:16], torch.zeros(16, dtype=torch.bfloat16)))
+    two = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    one = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, one_term)
+    assert int((two != want).sum()) <= 3 < 30 <= int((one != want).sum())
+
+

@@ -127,8 +127,9 @@ def test_unsupported_formats_are_refused(cpu_path: str) -> None:
     g16 = Int4Weight(w.qweight, w.scales.repeat_interleave(2, 1), None, 16)
     # groups of 16 (Q2_K, Q3_K, Q6_K): only the native kernels have them
     assert quantized_cpu_supported(g16, torch.bfloat16) == cpu_path.startswith("native")
+    # codebooks (IQ4_NL, NF4, ...): the native kernels' table lookups only
     nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
-    assert not quantized_cpu_supported(nf4, torch.bfloat16)  # not exact in bf16
+    assert quantized_cpu_supported(nf4, torch.bfloat16) == cpu_path.startswith("native")
     assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)
 
 
