@@ -84,7 +84,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < n or self._cos.device != device:
-            size = max(n, min(self.max_positions, 4096))
+            # doubling as contexts grow (2 MB of tables for 4096 positions at head_dim 64)
+            size = max(n, min(self.max_positions, max(256, 1 << (n - 1).bit_length())))
             pos = torch.arange(size, dtype=torch.float32, device=device)
             freqs = torch.outer(pos, self.inv_freq.to(device))  # [positions, rope_dim/2]
             self._cos = freqs.cos() * self.mscale
