@@ -1,4 +1,5 @@
-/* Int4 weight-only matmul for a few rows (decode), on PyTorch's packed int4 CPU layout.
+/* Int4 weight-only matmuls on PyTorch's packed int4 CPU layout: a few rows (decode) on
+ * AVX-512 BF16, many rows (prompts, `int4_gemm` at the end of this file) on AMX tiles.
  *
  * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
  * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K);

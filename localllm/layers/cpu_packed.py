@@ -95,6 +95,8 @@ def split_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]
     y[:d] = kernel(x[:d])
     y[d:] = dense(x[d:])
     return y
+
+
 PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
 # Up to this many rows a prompt's matmuls run on AMX tiles straight from the packed weights
 # (`cpu_native.int4_gemm`): no dequantized W^T, no copy of it in the matmul library. Beyond,
