@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from gguf import GGMLQuantizationType
 
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize, module_name
+from localllm.gguf.tensors import dequantize, module_name, qtype_name
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.memory import glibc, release_free_memory
 from localllm.models.llama import LlamaForCausalLM
@@ -171,15 +170,8 @@ def _warn_unpacked(src: str, unpacked: dict[int, list[TensorInfo]], dtype: torch
         dense = sum(math.prod(info.shape) * itemsize for info in infos)
         log.warning("%s: %d tensor(s) of type %s have no packed CPU format here: dequantized "
                     "to %s at load, %.1f MiB instead of %.1f MiB (%.1fx), with dense matmuls",
-                    Path(src).name, len(infos), _type_name(qtype), str(dtype).split(".")[-1],
+                    Path(src).name, len(infos), qtype_name(qtype), str(dtype).split(".")[-1],
                     dense / 2**20, stored / 2**20, dense / max(stored, 1))
-
-
-def _type_name(qtype: int) -> str:
-    try:
-        return GGMLQuantizationType(qtype).name
-    except ValueError:
-        return f"type {qtype}"
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,

@@ -115,7 +115,19 @@ class _Cursor:
         raise _Corrupt(f"unknown metadata value type {vtype}")
 
 
+# ggml type id -> (values per block, bytes per block) of the types localllm repacks (ids and
+# sizes are fixed by the format); others are looked up in the `gguf` package, whose import
+# costs about 2 MB (it pulls in sentencepiece and yaml) that loading a common model skips
+BLOCK_LAYOUTS: dict[int, tuple[int, int]] = {
+    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84),
+    11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18),
+    23: (256, 136), 30: (1, 2),
+}
+
+
 def _block_layout(qtype: int) -> tuple[int, int]:
+    if qtype in BLOCK_LAYOUTS:
+        return BLOCK_LAYOUTS[qtype]
     import gguf
 
     try:

@@ -30,7 +30,7 @@ from math import prod
 import numpy as np
 import torch
 
-from localllm.gguf.reader import TensorInfo
+from localllm.gguf.reader import BLOCK_LAYOUTS, TensorInfo
 from localllm.quant.formats import IQ4_NL_CODEBOOK, Int4Weight, Int8Weight
 
 Repacked = Int4Weight | Int8Weight | torch.Tensor
@@ -208,11 +208,13 @@ def _iq4_xs(b: np.ndarray) -> Int4Weight:
 
 
 # ggml type id -> (values per block, bytes per block, repacker); ids are fixed by the format
-_BLOCKED: dict[int, tuple[int, int, Callable[[np.ndarray], Int4Weight | Int8Weight]]] = {
-    2: (32, 18, _q4_0), 3: (32, 20, _q4_1), 6: (32, 22, _q5_0), 7: (32, 24, _q5_1),
-    8: (32, 34, _q8_0), 10: (256, 84, _q2_k), 11: (256, 110, _q3_k), 12: (256, 144, _q4_k),
-    13: (256, 176, _q5_k), 14: (256, 210, _q6_k), 20: (32, 18, _iq4_nl),
-    23: (256, 136, _iq4_xs),
+_Repacker = Callable[[np.ndarray], Int4Weight | Int8Weight]
+_REPACKERS: dict[int, _Repacker] = {
+    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k,
+    13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs,
+}
+_BLOCKED: dict[int, tuple[int, int, _Repacker]] = {
+    qtype: (*BLOCK_LAYOUTS[qtype], fn) for qtype, fn in _REPACKERS.items()
 }
 _F32, _F16, _BF16 = 0, 1, 30
 INT4_TYPES = frozenset({2, 3, 10, 11, 12, 20, 23})

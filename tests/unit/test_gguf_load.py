@@ -34,7 +34,7 @@ from gguf_factory import (
 from localllm.apps.cli import main as cli_main
 from localllm.engine.model_runner import prompt_logits
 from localllm.errors import ModelLoadError
-from localllm.gguf.reader import GGUFFile, TensorInfo
+from localllm.gguf.reader import BLOCK_LAYOUTS, GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name
 from localllm.loader import LoadedModel, load_gguf
 
@@ -104,6 +104,12 @@ def test_known_quantizable_types() -> None:
     for qt in QUANTIZABLE:
         assert can_quantize(qt), qt.name
     assert {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K} <= set(DECODABLE)
+
+
+def test_block_layouts_are_the_formats() -> None:
+    # the reader's own table (so that loading common types never imports the gguf package)
+    for qtype, layout in BLOCK_LAYOUTS.items():
+        assert layout == gguf.GGML_QUANT_SIZES[QT(qtype)], QT(qtype).name
 
 
 @pytest.mark.parametrize("qtype", DECODABLE, ids=lambda t: t.name)
