@@ -269,7 +269,8 @@ static inline __attribute__((always_inline)) void tile_rows4(
 #define AMX_MIN_ROWS 2 /* one row stays on AVX-512 (see cpu_native.amx_enabled) */
 #endif
 
-static int amx_enabled = 0;
+static int amx_enabled = 0;   /* decode batches on tiles (LOCALLLM_AMX=1) */
+static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_ready) */
 
 /* on = 1: ask the kernel for the AMX tile state and use it; 0: stop using it; -1: only ask
  * whether it is in use. Returns whether AMX is in use. */
@@ -418,9 +419,9 @@ static inline __attribute__((always_inline)) void tile_loop(
  * (hi[c] + lo[c]) s + z; see the top of this file);
  * half_scales: sz holds fp16 scales alone (see `Scales`).
  * Returns 0, -1 if out of memory, -2 for another group size. */
-int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+              const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales, int amx) {
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
@@ -443,7 +444,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     /* a codebook exact in bf16 (lo all zero: 0x0000 or 0x8000) takes one product per weight */
     const int terms = !lut ? 0
                       : _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) ? 2 : 1;
-    if (amx_enabled && M >= AMX_MIN_ROWS && gs == GROUP && !lut)
+    if (amx && gs == GROUP && !lut)
         amx_tiles(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
     else if (gs == 32 && terms == 0)
         tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo);
@@ -459,6 +460,23 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 2, lutv, lutlo);
     free(xsum);
     return 0;
+}
+
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales,
+              amx_enabled && M >= AMX_MIN_ROWS);
+}
+
+/* int4_mm on AMX tiles for a prompt's rows, whatever `amx_enabled` says (which is about
+ * decoding rows, whose results must not depend on their batch): groups of 32 without a
+ * codebook; other weights take the AVX-512 path. Call int4_gemm_ready first. */
+int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                  const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales,
+              amx_permitted);
 }
 
 
@@ -529,8 +547,6 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int6
  * the W^T, the matmul library's reordered copy of it and, with `gated`, the [M, 2 I] gate/up
  * product (7-8 MB at 512 tokens of the default model). A row's sums do not depend on the other
  * rows of the batch. */
-
-static int amx_permitted = 0;
 
 /* Asks the kernel for the AMX tile state once; returns whether the GEMMs below may run. */
 int int4_gemm_ready(void) {

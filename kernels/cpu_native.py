@@ -146,6 +146,8 @@ def _library() -> ctypes.CDLL | None:
         "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                        i64], ctypes.c_int),
         "int4_gemm_ready": ([], ctypes.c_int),
+        "int4_mm_tiles": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr,
+                           i64], ctypes.c_int),
         "rms_norm": ([ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64], None),
         "silu_mul": ([ptr, i64, i64, i64, ptr, i64], None),
         "rope": ([ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int], ctypes.c_int),
@@ -233,8 +235,11 @@ def _lut_ptr(lut: torch.Tensor | None) -> int | None:
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-            out_features: int, planes: int, lut: torch.Tensor | None = None) -> torch.Tensor:
+            out_features: int, planes: int, lut: torch.Tensor | None = None,
+            tiles: bool = False) -> torch.Tensor:
     """x @ W.T for a packed int4 weight (`CpuPackedWeight` layout); call `available()` first.
+    `tiles`: a prompt's rows, on AMX tiles where `gemm_available()` (groups of 32 without a
+    codebook), whatever `amx_enabled` says.
 
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
     scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns,
@@ -253,9 +258,10 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                          f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)} "
                          f"{scales_zeros.dtype}, planes {planes}, out {out_features}")
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    if m and lib.int4_mm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
-                         scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
-                         out_features, layout[0], _lut_ptr(lut), int(layout[1])):
+    fn = lib.int4_mm_tiles if tiles and gemm_available() else lib.int4_mm
+    if m and fn(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scales_zeros.data_ptr(),
+                out_features, n_pad, planes, y.data_ptr(), out_features, layout[0],
+                _lut_ptr(lut), int(layout[1])):
         raise MemoryError("int4_mm: out of memory")
     return y
 
@@ -646,8 +652,7 @@ class DecoderStack:
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor,
                  dims: StackDims, max_rows: int) -> None:
-        # max_rows: the most sequences one call takes (callers pass the rows up to which their
-        # per-op path runs these weights through `int4_mm`, so that both paths agree)
+        # max_rows: the most sequences one call takes
         self.max_rows = max_rows
         d = dims
         if not layers or d.n_heads % d.n_kv or not decode_attention_supported(

@@ -55,6 +55,16 @@ GROUP = 32  # the group size PyTorch's int4 kernel and the native one share
 # vs 5.2 ms, 28 us at 1 row.
 NATIVE_KERNEL_MAX_ROWS = 16
 TORCH_KERNEL_MAX_ROWS = 64
+# With AMX, a prompt's rows leave the few-rows kernel above TILES_KERNEL_MAX_ROWS for AMX tiles
+# on the packed codes (int4_mm(tiles=True): groups of 32 without a codebook) up to
+# TILES_MAX_ROWS, then for int4_gemm (tiles on dequantized weight tiles) up to GEMM_MAX_ROWS;
+# weights the first cannot take leave the kernel above GEMM_KERNEL_MAX_ROWS. All 120 matrices
+# of the default model, ms (kernel / codes on tiles / int4_gemm): 3 rows 8.8 / 8.6 / 15.5,
+# 8 rows 16.3 / 11.1 / 16.1, 32 rows 55.8 / 20.9 / 21.1, 64 rows 109 / 40.0 / 27.7.
+# Decoding rows stay on the kernel at any count.
+TILES_KERNEL_MAX_ROWS = 4
+TILES_MAX_ROWS = 32
+GEMM_KERNEL_MAX_ROWS = 8
 
 # how many leading rows of the batch in flight are decoding tokens (see the module docstring)
 _DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)
@@ -72,7 +82,8 @@ def decode_rows(n: int) -> Iterator[None]:
 
 
 def kernel_max_rows(planes: int) -> int:
-    """Rows up to which a packed weight of `planes` planes runs the few-rows kernel."""
+    """Rows up to which a packed weight of `planes` planes runs the few-rows kernel (beyond,
+    all but the step's decoding rows run dense), where there are no AMX tiles."""
     if cpu_native.available():
         return NATIVE_KERNEL_MAX_ROWS
     return TORCH_KERNEL_MAX_ROWS // planes
@@ -189,7 +200,6 @@ class CpuPackedWeight:
         self.out_features = out_features
         self.in_features = in_features
         self.planes = planes
-        self.max_kernel_rows = kernel_max_rows(planes)
 
     @classmethod
     def from_weight(cls, w: Int4Weight | Int8Weight, dtype: torch.dtype,
@@ -280,15 +290,29 @@ class CpuPackedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] bf16 -> [rows, out]
-        return split_matmul(x, self._kernel, self._dense, self.max_kernel_rows,
+        return split_matmul(x, self._kernel, self._dense, self._kernel_max_rows(),
                             self.out_features)
 
+    @property
+    def _tiles_take_codes(self) -> bool:
+        return self.group_size == GROUP and self.lut is None
+
+    def _kernel_max_rows(self) -> int:
+        if cpu_native.available() and cpu_native.gemm_available():
+            return TILES_KERNEL_MAX_ROWS if self._tiles_take_codes else GEMM_KERNEL_MAX_ROWS
+        return kernel_max_rows(self.planes)
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        # many rows: AMX tiles straight from the packed weight, or one bf16 matmul with the
-        # weight dequantized for this call
-        if x.shape[0] <= GEMM_MAX_ROWS and cpu_native.gemm_available():
-            return cpu_native.int4_gemm(x, self.packed, self.scales_zeros, self.out_features,
-                                        self.planes, self.lut)
+        # a prompt's rows: AMX tiles straight from the packed weight, or one bf16 matmul with
+        # the weight dequantized for this call (see TILES_MAX_ROWS)
+        m = x.shape[0]
+        if cpu_native.gemm_available():
+            if m <= TILES_MAX_ROWS and self._tiles_take_codes:
+                return cpu_native.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
+                                          self.planes, tiles=True)
+            if m <= GEMM_MAX_ROWS:
+                return cpu_native.int4_gemm(x, self.packed, self.scales_zeros,
+                                            self.out_features, self.planes, self.lut)
         return x @ self.dense_t()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -338,8 +362,9 @@ class CpuPackedWeight:
         activation tile by tile (`cpu_native.int4_gemm`), so the [rows, out] product is never
         held whole."""
         inter, m = self.out_features // 2, x.shape[0]
-        d = m if m <= self.max_kernel_rows else min(_DECODE_ROWS.get(), m)
-        if d == m or inter % TILE or m - d > GEMM_MAX_ROWS or not cpu_native.gemm_available():
+        d = m if m <= self._kernel_max_rows() else min(_DECODE_ROWS.get(), m)
+        if (d == m or inter % TILE or not TILES_MAX_ROWS < m - d <= GEMM_MAX_ROWS
+                or not cpu_native.gemm_available()):
             return silu_and_mul_fused(self.matmul(x))
         act = cpu_native.int4_gemm(x[d:], self.packed, self.scales_zeros, self.out_features,
                                    self.planes, self.lut, gated=True)

@@ -20,7 +20,7 @@ from localllm.layers.attention import (
     KVCache,
     TorchPagedAttention,
 )
-from localllm.layers.cpu_packed import CpuPackedWeight
+from localllm.layers.cpu_packed import NATIVE_KERNEL_MAX_ROWS, CpuPackedWeight
 from localllm.layers.linear import Linear
 
 if TYPE_CHECKING:
@@ -41,7 +41,6 @@ def build_stack(model: LlamaForCausalLM) -> cpu_native.DecoderStack | None:
         return None
     cfg = model.cfg
     layers = []
-    max_rows = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [_packed(attn.qkv_proj), _packed(attn.o_proj), _packed(mlp.gate_up_proj),
@@ -53,8 +52,6 @@ def build_stack(model: LlamaForCausalLM) -> cpu_native.DecoderStack | None:
         layers.append(cpu_native.StackLayer(layer.input_layernorm.weight.data,
                                             layer.post_attention_layernorm.weight.data,
                                             qkv, o, gate_up, down))
-        max_rows += [lin.qweight.max_kernel_rows for lin in (  # type: ignore[union-attr]
-            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     eps = {layer.input_layernorm.eps for layer in model.layers} | {
         layer.post_attention_layernorm.eps for layer in model.layers} | {model.norm.eps}
     attn0 = model.layers[0].self_attn
@@ -64,7 +61,10 @@ def build_stack(model: LlamaForCausalLM) -> cpu_native.DecoderStack | None:
     if eps:  # one epsilon for all norms
         return None
     try:  # DecoderStack checks the rest (head sizes the attention kernel takes, shapes)
-        return cpu_native.DecoderStack(layers, model.norm.weight.data, dims, min(max_rows))
+        # decoding rows take int4_mm in the per-op path at any count (`decode_rows`), so both
+        # paths agree up to the stack's limit
+        return cpu_native.DecoderStack(layers, model.norm.weight.data, dims,
+                                       NATIVE_KERNEL_MAX_ROWS)
     except ValueError:
         return None
 

@@ -292,6 +292,25 @@ def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> Non
 
 
 @needs_gemm
+@pytest.mark.parametrize("weight", ["int4", "int8-half", "int8-g16", "codebook"])
+@pytest.mark.parametrize("rows", [5, 17, 32])
+def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
+    # int4_mm(tiles=True): AMX on the packed codes whatever LOCALLLM_AMX says (groups of 32
+    # without a codebook; the others take the AVX-512 path)
+    if weight == "codebook":
+        w, planes = CpuPackedWeight.from_weight(iq4_weight(192, 128), torch.bfloat16), 1
+    else:
+        planes = 2 if weight.startswith("int8") else 1
+        w = packed(192, 128, planes, group=16 if weight.endswith("g16") else 32,
+                   offsets=not weight.endswith("half"))
+    x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
+    got = cn.int4_mm(x, w.packed, w.scales_zeros, 192, planes, w.lut, tiles=True)
+    want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 192, planes, w.lut)
+    bf16_close(got, want, atol=1e-5 * float(want.float().abs().max()))
+    assert not cn.amx_enabled() or cn.AMX_DEFAULT  # the decode setting is left alone
+
+
+@needs_gemm
 def test_int4_gemm_rows_do_not_depend_on_the_batch() -> None:
     w = packed(200, 128, 1)  # a padded last tile: 200 of 256 rows written
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
