@@ -4,8 +4,8 @@
 
 Modes: fp32 (weights dequantized exactly: the reference of the file's own weights), bf16 with
 int4 weights kept packed (the fast CPU path: one token a step, as decode runs it -- with the
-native kernels, the whole step in one call; 16 tokens at a time through the int4 kernel; and
-one dequantized prefill), bf16 with every weight dense. The text defaults to
+native kernels, the whole step in one call; 16 and 512 tokens at a time, as prompt chunks run;
+and one prefill of the whole text), bf16 with every weight dense. The text defaults to
 the Apache License 2.0 (benchmarks/data). One window of --tokens tokens; each position is
 scored given all the previous ones.
 """
@@ -50,12 +50,15 @@ def main() -> None:
     text = Path(args.text).read_text()
     results: dict[str, float] = {}
     ids: list[int] = []
-    # chunk 1: decode; chunk 16: the int4 kernel's path (<= 64 rows) as in small batches;
-    # whole: one prefill, where int4 weights are dequantized to bf16 for a dense matmul
+    # chunk 1: decode (the one-call native step); 16: small prompt chunks (AMX tiles on the
+    # packed codes where the CPU has them, else the few-rows kernel); 512: the engine's default
+    # prompt chunk (int4_gemm with AMX, else dequantize + matmul); whole: one prefill (above 768
+    # rows always dequantize + matmul)
     for name, dtype, quantized, chunk in [
             ("localllm fp32 (reference)", torch.float32, False, 0),
             ("localllm bf16 int4, decode", torch.bfloat16, True, 1),
-            ("localllm bf16 int4, kernel", torch.bfloat16, True, 16),
+            ("localllm bf16 int4, chunks 16", torch.bfloat16, True, 16),
+            ("localllm bf16 int4, chunks 512", torch.bfloat16, True, 512),
             ("localllm bf16 int4, prefill", torch.bfloat16, True, 0),
             ("localllm bf16, dense", torch.bfloat16, False, 0)]:
         loaded = load_gguf(path, dtype, quantized=quantized)
@@ -70,9 +73,9 @@ def main() -> None:
         print("llama-cpp-python is not installed: skipping llama.cpp", file=sys.stderr)
     ref = results["localllm fp32 (reference)"]
     print(f"{path.name}, {len(ids)} tokens of {Path(args.text).name}")
-    print(f"{'mode':<30}{'perplexity':>12}{'vs fp32':>10}")
+    print(f"{'mode':<34}{'perplexity':>12}{'vs fp32':>10}")
     for name, ppl in results.items():
-        print(f"{name:<30}{ppl:>12.4f}{(ppl / ref - 1) * 100:>+9.2f}%")
+        print(f"{name:<34}{ppl:>12.4f}{(ppl / ref - 1) * 100:>+9.2f}%")
 
 
 if __name__ == "__main__":
