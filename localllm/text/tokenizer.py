@@ -77,10 +77,13 @@ class Tokenizer:
         if not _is_sequence(raw_tokens) or not raw_tokens:
             raise ModelLoadError(f"{where}: tokenizer.ggml.tokens is missing or empty")
         n = len(raw_tokens)
-        tokens: Sequence[str] = raw_tokens
-        if not isinstance(raw_tokens, StringTable) or any(
-                raw_tokens.byte_length(i) == 0 for i in range(n)):
-            tokens = [str(t) if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
+        # decoded once for the passes below (a StringTable decodes on every read); the
+        # tokenizer itself keeps the table
+        texts = [str(t) for t in raw_tokens]
+        empty = [i for i, t in enumerate(texts) if not t]
+        for i in empty:
+            texts[i] = f"[EMPTY_{i}]"
+        tokens = raw_tokens if isinstance(raw_tokens, StringTable) and not empty else texts
         types = meta.get("tokenizer.ggml.token_type")
         if _is_sequence(types) and len(types) >= n:
             if not all(isinstance(t, int) for t in types[:n]):
@@ -108,8 +111,8 @@ class Tokenizer:
         }
         key_ids = {k: token_id(k, None) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")}
         key_ids["eos"] = special_ids["eos"]
-        stop_ids = V.end_of_generation_ids(tokens, attrs, key_ids)
-        V.apply_name_quirks(tokens, attrs, str(meta.get("general.name", "")))
+        stop_ids = V.end_of_generation_ids(texts, attrs, key_ids)
+        V.apply_name_quirks(texts, attrs, str(meta.get("general.name", "")))
         add_bos = meta.get("tokenizer.ggml.add_bos_token", spm or (pre is not None and pre.add_bos))
         common: dict[str, Any] = dict(
             special_ids=special_ids,
@@ -127,7 +130,7 @@ class Tokenizer:
                 raise ModelLoadError(f"{where}: tokenizer.ggml.scores holds non-numbers")
             return cls(tokens, attrs, kind="spm", pieces="spm", scores=scores, **common)
         assert pre is not None
-        hf = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], pre)
+        hf = _byte_level_bpe(texts, meta.get("tokenizer.ggml.merges") or [], pre)
         return cls(
             tokens, attrs, kind="bpe", pieces="bytes", hf=hf, clean_spaces=pre.clean_spaces,
             **common,

@@ -109,6 +109,13 @@ def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -
             cpu_native.set_amx(True)
 
 
+def test_pack_tiles_is_pytorchs_int4_packed_layout() -> None:
+    codes = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(7),
+                          dtype=torch.uint8)
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(cpu_packed.pack_tiles(codes), want)
+
+
 def test_int8_planes_reproduce_every_code_exactly() -> None:
     # all 256 codes, scale 1 and offset 0: the split into two nibble planes is lossless
     q = torch.arange(-128, 128, dtype=torch.int8).repeat(64, 1)  # [64, 256]
