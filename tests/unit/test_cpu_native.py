@@ -269,18 +269,22 @@ needs_gemm = pytest.mark.skipif(not cn.gemm_available(), reason="this CPU has no
                                 "the cpu_path tests cover")
 
 
+def weight_of_kind(kind: str, out: int) -> tuple[CpuPackedWeight, int]:
+    """A packed [out, 128] weight and its planes: int4 (with offsets), int4-half (fp16 scales
+    alone), int8-half, int8-g16 (groups of 16) or codebook (IQ4_NL)."""
+    if kind == "codebook":
+        return CpuPackedWeight.from_weight(iq4_weight(out, 128), torch.bfloat16), 1
+    planes = 2 if kind.startswith("int8") else 1
+    return packed(out, 128, planes, group=16 if kind.endswith("g16") else 32,
+                  offsets=not kind.endswith("half")), planes
+
+
 @needs_gemm
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("weight", ["int4", "int4-half", "int8-half", "int8-g16", "codebook"])
 @pytest.mark.parametrize("rows", [1, 16, 33, 200])  # 33, 200: a partial block of 16 rows
 def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> None:
-    if weight == "codebook":
-        w = CpuPackedWeight.from_weight(iq4_weight(256, 128), torch.bfloat16)
-        planes = 1
-    else:
-        planes = 2 if weight.startswith("int8") else 1
-        w = packed(256, 128, planes, group=16 if weight.endswith("g16") else 32,
-                   offsets=not weight.endswith("half"))
+    w, planes = weight_of_kind(weight, 256)
     x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
     got = cn.int4_gemm(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
     want = cn.int4_gemm_ref(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
@@ -297,12 +301,7 @@ def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> Non
 def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
     # int4_mm(tiles=True): AMX on the packed codes whatever LOCALLLM_AMX says (groups of 32
     # without a codebook; the others take the AVX-512 path)
-    if weight == "codebook":
-        w, planes = CpuPackedWeight.from_weight(iq4_weight(192, 128), torch.bfloat16), 1
-    else:
-        planes = 2 if weight.startswith("int8") else 1
-        w = packed(192, 128, planes, group=16 if weight.endswith("g16") else 32,
-                   offsets=not weight.endswith("half"))
+    w, planes = weight_of_kind(weight, 192)
     x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
     got = cn.int4_mm(x, w.packed, w.scales_zeros, 192, planes, w.lut, tiles=True)
     want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 192, planes, w.lut)
