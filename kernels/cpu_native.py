@@ -141,7 +141,7 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64],
                     ctypes.c_int),
-        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64], None),
+        "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                        i64], ctypes.c_int),
@@ -248,15 +248,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     (c - 8) s + z) -> bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None, "native kernels are not available"
-    m, k = x.shape
-    n_pad = packed.shape[0]
-    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
-    if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
-            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
-            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad):
-        raise ValueError(f"int4_mm: bad operands x {tuple(x.shape)} {x.dtype}, packed "
-                         f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)} "
-                         f"{scales_zeros.dtype}, planes {planes}, out {out_features}")
+    m, k, n_pad, layout = _matmul_operands("int4_mm", x, packed, scales_zeros, out_features,
+                                           planes)
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     fn = lib.int4_mm_tiles if tiles and gemm_available() else lib.int4_mm
     if m and fn(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scales_zeros.data_ptr(),
@@ -264,6 +257,23 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                 _lut_ptr(lut), int(layout[1])):
         raise MemoryError("int4_mm: out of memory")
     return y
+
+
+def _matmul_operands(name: str, x: torch.Tensor, packed: torch.Tensor,
+                     scales_zeros: torch.Tensor, out_features: int, planes: int,
+                     gated: bool = False) -> tuple[int, int, int, tuple[int, bool]]:
+    """(rows, in, out_padded, scales_layout) of a packed matmul's operands, or a ValueError."""
+    m, k = x.shape
+    n_pad = packed.shape[0]
+    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
+    if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
+            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
+            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad
+            or (gated and out_features % (2 * TILE))):
+        raise ValueError(f"{name}: bad operands x {tuple(x.shape)} {x.dtype}, packed "
+                         f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)} "
+                         f"{scales_zeros.dtype}, planes {planes}, out {out_features}")
+    return m, k, n_pad, layout
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
@@ -275,15 +285,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     bf16 [M, I]; else bf16 [M, out_features]."""
     lib = _library()
     assert lib is not None and gemm_available(), "int4_gemm needs the native kernels and AMX"
-    m, k = x.shape
-    n_pad = packed.shape[0]
-    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
-    if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
-            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
-            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad
-            or (gated and out_features % (2 * TILE))):
-        raise ValueError(f"int4_gemm: bad operands x {tuple(x.shape)} {x.dtype}, packed "
-                         f"{tuple(packed.shape)}, planes {planes}, out {out_features}")
+    m, k, n_pad, layout = _matmul_operands("int4_gemm", x, packed, scales_zeros,
+                                           out_features, planes, gated)
     n = out_features // 2 if gated else out_features
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m and lib.int4_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
@@ -319,28 +322,20 @@ def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
 
 
 def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
-                   lut: torch.Tensor | None = None, tiles: tuple[int, int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   lut: torch.Tensor | None = None) -> torch.Tensor:
     """W.T of a packed int4 weight in bf16, [in, out_padded] (padded rows are 0): for one dense
-    matmul over many rows. Planes are summed in fp32 and rounded once. `tiles` (t0, t1): only
-    the rows of those 64-row tiles, [in, 64 (t1 - t0)]; `out`: written there (unit column
-    stride) instead of a new tensor."""
+    matmul over many rows. Planes are summed in fp32 and rounded once."""
     lib = _library()
     assert lib is not None
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     layout = scales_layout(scales_zeros, k2, planes, n_pad) if planes in (1, 2) else None
-    t0, t1 = tiles if tiles is not None else (0, n_pad // TILE)
     if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
-            and layout is not None and k2 % (planes * 32) == 0
-            and 0 <= t0 <= t1 <= n_pad // TILE):
+            and layout is not None and k2 % (planes * 32) == 0):
         raise ValueError("int4_dequant_t: bad operands")
     k = k2 // planes
-    wt = torch.empty(k, (t1 - t0) * TILE, dtype=torch.bfloat16) if out is None else out
-    if wt.shape != (k, (t1 - t0) * TILE) or not _rows(wt):
-        raise ValueError(f"int4_dequant_t: out must be bf16 [{k}, {(t1 - t0) * TILE}] rows")
+    wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]), t0, t1,
-                       wt.stride(0))
+                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]))
     return wt
 
 
@@ -418,19 +413,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 [T, 2 I] (gate | up) -> silu(gate) * up, [T, I] (into `out`, rows of unit
-    column stride, when given)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, 2 I] (gate | up) -> silu(gate) * up, [T, I]."""
     lib = _library()
     assert lib is not None
     t, n = gate_up.shape
     if not _rows(gate_up) or n % 2:
         raise ValueError("silu_mul: expects bf16 [T, 2 * I] rows")
-    out = torch.empty(t, n // 2, dtype=torch.bfloat16) if out is None else out
-    if out.shape != (t, n // 2) or not _rows(out):
-        raise ValueError(f"silu_mul: out must be bf16 [{t}, {n // 2}] rows")
-    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, n // 2, out.data_ptr(),
-                 out.stride(0))
+    out = torch.empty(t, n // 2, dtype=torch.bfloat16)
+    lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, n // 2, out.data_ptr(), n // 2)
     return out
 
 

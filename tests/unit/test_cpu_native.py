@@ -244,26 +244,6 @@ def test_int4_dequant_t(planes: int, group: int, offsets: bool) -> None:
     assert not wt[:, 96:].any()  # padding rows are zero weights
 
 
-def test_int4_dequant_t_of_some_tiles_into_a_slice() -> None:
-    w = packed(320, 128, 2, offsets=False)
-    full = cn.int4_dequant_t(w.packed, w.scales_zeros, 2)
-    out = torch.zeros(128, 3 * 64 + 10, dtype=torch.bfloat16)
-    got = cn.int4_dequant_t(w.packed, w.scales_zeros, 2, tiles=(1, 4), out=out[:, 5:197])
-    assert got.data_ptr() == out[:, 5:].data_ptr()
-    assert torch.equal(out[:, 5:197], full[:, 64:256])
-    assert not out[:, :5].any() and not out[:, 197:].any()  # nothing outside the slice
-    with pytest.raises(ValueError, match="bad operands"):
-        cn.int4_dequant_t(w.packed, w.scales_zeros, 2, tiles=(4, 6))
-
-
-def test_silu_mul_into_a_slice() -> None:
-    gu = (torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
-    out = torch.zeros(5, 100, dtype=torch.bfloat16)
-    cn.silu_mul(gu, out=out[:, 30:70])
-    assert torch.equal(out[:, 30:70], cn.silu_mul(gu))
-    assert not out[:, :30].any() and not out[:, 70:].any()
-
-
 needs_gemm = pytest.mark.skipif(not cn.gemm_available(), reason="this CPU has no AMX "
                                 "(amx_tile, amx_bf16): prompts take dequantize + matmul, which "
                                 "the cpu_path tests cover")
