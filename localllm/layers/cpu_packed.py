@@ -140,8 +140,10 @@ def _codes(w: Int4Weight | Int8Weight, rows: int) -> torch.Tensor:
     if isinstance(w, Int4Weight):
         codes = unpack_nibbles(w.qweight)
     else:
-        q = w.qweight.to(torch.int16)
-        codes = torch.cat(((q >> 4) + 8, q & 15), dim=1).to(torch.uint8)  # planes H | L
+        # planes H | L: h + 8 for h = q >> 4 in -8..7 is the two's-complement high nibble
+        # with its top bit flipped
+        u = w.qweight.view(torch.uint8)
+        codes = torch.cat(((u >> 4) ^ 8, u & 15), dim=1)
     if w.out_features < rows:
         codes = torch.cat((codes, codes.new_full((rows - w.out_features, codes.shape[1]), 8)))
     return codes

@@ -42,11 +42,15 @@ BYTE_LEVEL_CHARS = _gpt2_byte_table()  # char -> byte
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+_TO_BYTE = {ord(c): b for c, b in BYTE_LEVEL_CHARS.items()}  # str.translate: char -> chr(byte)
+_DROP_TABLE_CHARS = dict.fromkeys(_TO_BYTE)  # str.translate: deletes every table character
+
+
 def byte_level_bytes(text: str) -> bytes:
     """Raw bytes of a byte-level BPE piece; characters outside the table pass through as UTF-8."""
+    if not text.translate(_DROP_TABLE_CHARS):  # all in the table (str.translate: C speed)
+        return text.translate(_TO_BYTE).encode("latin-1")
     table = BYTE_LEVEL_CHARS
-    if all(c in table for c in text):
-        return bytes(table[c] for c in text)
     return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in text)
 
 
