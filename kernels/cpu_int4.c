@@ -274,9 +274,20 @@ static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_r
 
 /* on = 1: ask the kernel for the AMX tile state and use it; 0: stop using it; -1: only ask
  * whether it is in use. Returns whether AMX is in use. */
+/* Asks the kernel for the AMX tile state once; returns whether tiles may be used at all (the
+ * prompt matmuls below, and decode batches once int4_amx_enable turns them on). */
+int int4_gemm_ready(void) {
+    static int asked = 0;
+    if (!asked) {
+        asked = 1;
+        amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_permitted;
+}
+
 int int4_amx_enable(int on) {
-    if (on == 1 && !amx_enabled)
-        amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (on == 1)
+        amx_enabled = int4_gemm_ready();
     else if (on == 0)
         amx_enabled = 0;
     return amx_enabled;
@@ -547,16 +558,6 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int6
  * the W^T, the matmul library's reordered copy of it and, with `gated`, the [M, 2 I] gate/up
  * product (7-8 MB at 512 tokens of the default model). A row's sums do not depend on the other
  * rows of the batch. */
-
-/* Asks the kernel for the AMX tile state once; returns whether the GEMMs below may run. */
-int int4_gemm_ready(void) {
-    static int asked = 0;
-    if (!asked) {
-        asked = 1;
-        amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return amx_permitted;
-}
 
 /* tile t's weights in the pair layout above */
 static void tile_pairs(const uint8_t *packed, const Scales *sz, int64_t K, int64_t gs,

@@ -6,6 +6,8 @@ same math in one call each, with the same rounding points (every `x` has an `x_r
 
 - `int4_mm`: the int4 weight-only matmul for a few rows, on the packed layout of PyTorch's int4
   CPU kernel (`cpu_int4.c`: AVX-512 BF16 dot products instead of an fp32 dequantization);
+  for a prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile matmuls
+  straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's matmul;
 - `rms_norm` (optionally adding into the residual stream first), `silu_mul`, `rope_`,
   `kv_store`, `decode_attention` (paged, online softmax) and `top_k` (`cpu_ops.c`);
 - `DecoderStack.run`: every layer of a decode step in one call, through the functions above in

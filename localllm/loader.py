@@ -95,7 +95,7 @@ def load_time_allocation() -> Iterator[None]:
             # prefill reuse heap memory instead of mapping fresh pages every op
             libc.mallopt(_M_MMAP_THRESHOLD, _RUN_MMAP_THRESHOLD)
             libc.mallopt(_M_TRIM_THRESHOLD, _RUN_TRIM_THRESHOLD)
-            libc.malloc_trim(0)
+        release_free_memory()
 
 
 def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausalLM],

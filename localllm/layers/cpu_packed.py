@@ -65,6 +65,10 @@ TORCH_KERNEL_MAX_ROWS = 64
 TILES_KERNEL_MAX_ROWS = 4
 TILES_MAX_ROWS = 32
 GEMM_KERNEL_MAX_ROWS = 8
+# Above this many rows dequantize + PyTorch's matmul is faster than int4_gemm (default model
+# gate/up: 1.23 vs 1.25 ms at 512 rows, 3.0 vs 1.9 at 1024; int4_gemm's time grows linearly
+# with the rows, and running K in L1-sized passes did not change that)
+GEMM_MAX_ROWS = 768
 
 # how many leading rows of the batch in flight are decoding tokens (see the module docstring)
 _DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)
@@ -73,7 +77,8 @@ _DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)
 @contextmanager
 def decode_rows(n: int) -> Iterator[None]:
     """Within this block, the first `n` rows of every packed matmul are decoding tokens: they
-    take the few-rows kernel whatever the batch size, the rest follow `max_kernel_rows`."""
+    take the few-rows kernel whatever the batch size; the rest take it up to
+    `CpuPackedWeight._kernel_max_rows` rows."""
     token = _DECODE_ROWS.set(n)
     try:
         yield
@@ -109,11 +114,6 @@ def split_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]
 
 
 PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
-# Up to this many rows a prompt's matmuls run on AMX tiles straight from the packed weights
-# (`cpu_native.int4_gemm`): no dequantized W^T, no copy of it in the matmul library. Beyond,
-# dequantize + PyTorch's matmul is faster (default model gate/up: 1.23 vs 1.25 ms at 512 rows,
-# 3.0 vs 1.9 at 1024: the tile kernel streams the weight tile from L2 for every 16 rows).
-GEMM_MAX_ROWS = 768
 
 
 def packed_group_sizes() -> tuple[int, ...]:
