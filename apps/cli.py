@@ -18,6 +18,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16)")
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "nf4"],
                    help="quantize a Hugging Face checkpoint's linear weights on load")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs: auto takes a CUDA GPU when PyTorch sees one, "
+                   "else the CPU (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length to serve (default: the model's)")
@@ -85,8 +88,9 @@ def load_llm(args: argparse.Namespace, threads: int | None = None):  # -> LLM
     sched = SchedulerConfig(max_model_len=args.max_model_len)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
               num_threads=threads or args.threads, progress=stderr_progress("loading"),
-              quantize=args.quantize)
-    print(f"[{llm.path.name}: {llm.engine.kv_summary()}]", file=sys.stderr)
+              quantize=args.quantize, device=args.device)
+    print(f"[{llm.path.name} on {llm.backend.name}: {llm.engine.kv_summary()}]",
+          file=sys.stderr)
     return llm
 
 

@@ -101,30 +101,29 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
 
 
 def profile_step(llm: LLM, prompts: list[list[int]]) -> dict[str, float]:
-    """ms per decode step at batch 1 and batch len(prompts): the model's layers (one native call
-    a step where the native kernels run), the logits, `ModelRunner._prepare`, and the rest
-    (scheduler, sampling, detokenization)."""
+    """ms per decode step at batch 1 and batch len(prompts): the model's layers
+    (`ModelRunner.forward`: one native call a step where the backend's whole-step path runs),
+    the logits, `ModelRunner._prepare`, and the rest (scheduler, sampling, detokenization)."""
     eng = llm.engine
     runner = eng.runner
-    model = runner.model
     res: dict[str, float] = {}
     for n in (1, len(prompts)):
         parts: dict[str, list[float]] = {"layers": [], "logits": [], "prepare": []}
-        fwd, logits, prepare = model.forward, model.compute_logits, runner._prepare
+        fwd, logits, prepare = runner.forward, runner.logits, runner._prepare
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for p in prompts[:n]:
             eng.add_request(p, params)
         for _ in range(8):  # prefill and warm-up
             eng.step()
-        model.forward = timed(fwd, parts["layers"])  # type: ignore[method-assign]
-        model.compute_logits = timed(logits, parts["logits"])  # type: ignore[method-assign]
+        runner.forward = timed(fwd, parts["layers"])  # type: ignore[method-assign]
+        runner.logits = timed(logits, parts["logits"])  # type: ignore[method-assign]
         runner._prepare = timed(prepare, parts["prepare"])  # type: ignore[method-assign]
         steps = 16
         t = time.perf_counter()
         for _ in range(steps):
             eng.step()
         total = (time.perf_counter() - t) / steps
-        del model.forward, model.compute_logits, runner._prepare
+        del runner.forward, runner.logits, runner._prepare
         while eng.has_unfinished():
             eng.step()
         res[f"step_ms@{n}"] = 1e3 * total

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from localllm.backends import make_backend
 from localllm.config import DTYPES, CacheConfig, SamplingParams, SchedulerConfig
 from localllm.engine.engine import LLMEngine, RequestOutput
 from localllm.engine.request import RequestTimes
@@ -35,24 +36,27 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str = "bfloat16",
                  cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                  num_threads: int | None = None, progress: ProgressFn | None = None,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, device: str = "auto") -> None:
         """`model`: a GGUF file or a Hugging Face checkpoint folder. `quantize` ("int8",
-        "int4" or "nf4") quantizes a Hugging Face checkpoint's linear weights on load."""
+        "int4" or "nf4") quantizes a Hugging Face checkpoint's linear weights on load.
+        `device`: "auto" (a CUDA GPU when PyTorch sees one, else the CPU), "cpu" or "cuda"
+        (an error without a GPU); it picks the backend (`localllm.backends`)."""
         if dtype not in DTYPES:
             raise RequestError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise RequestError(f"unknown quantization {quantize!r} (choose from "
                                f"{', '.join(QUANTIZE_MODES)})")
+        self.backend = make_backend(device)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.path = find_model(model)
         if is_hf_checkpoint(self.path):
-            self.loaded = load_hf(self.path, DTYPES[dtype], progress, quantize)
+            self.loaded = load_hf(self.path, DTYPES[dtype], progress, quantize, self.backend)
         elif quantize is not None:
             raise ModelLoadError(f"{self.path}: --quantize applies to Hugging Face checkpoint "
                                  f"folders; a GGUF file keeps its own quantization")
         else:
-            self.loaded = load_gguf(self.path, DTYPES[dtype], progress)
+            self.loaded = load_gguf(self.path, DTYPES[dtype], progress, backend=self.backend)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.template = ChatTemplate(self.tokenizer.chat_template, self.tokenizer.bos_token,

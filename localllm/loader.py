@@ -14,11 +14,13 @@ from typing import NamedTuple
 
 import torch
 
+from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name, qtype_name
-from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.layers.backend import Backend
+from localllm.layers.linear import Linear, replace_module, row_source
 from localllm.memory import glibc, release_free_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
@@ -30,11 +32,12 @@ ProgressFn = Callable[[int, int], None]
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM  # built with `backend`, which owns its packed weights
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
     fingerprint: str  # identifies the weights: file contents and size (not the dtype)
+    backend: Backend
 
 
 def file_fingerprint(path: Path) -> str:
@@ -99,7 +102,7 @@ def load_time_allocation() -> Iterator[None]:
 
 
 def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausalLM],
-                        dtype: torch.dtype) -> None:
+                        dtype: torch.dtype, backend: Backend) -> None:
     """Compare the config with the file's tensors before allocating anything real."""
     src = str(gf.path)
     blocks = {int(n.split(".")[1]) for n in gf.tensors if n.startswith("blk.")
@@ -109,7 +112,7 @@ def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausal
                              f"tensors for {len(blocks)}")
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in
-                  cls(cfg, dtype).named_parameters(remove_duplicate=False)}
+                  cls(cfg, dtype, backend).named_parameters(remove_duplicate=False)}
     filled: set[str] = set()
     for info in gf:
         name = module_name(info.name)
@@ -131,61 +134,64 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenize
                      "tokenizer.ggml.token_type")
 
 
-def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo, gf: GGUFFile,
-                    dtype: torch.dtype) -> bool:
-    """Hand a linear layer its weight in a quantized runtime format, where it has a path.
-    Matrices are repacked a slice of rows at a time, straight from the mapped file."""
+def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo, gf: GGUFFile
+                    ) -> bool:
+    """Hand a linear layer its weight in a quantized runtime format, where the backend packs
+    it. Matrices are repacked a slice of rows at a time, straight from the mapped file."""
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path)
     if attr != "weight" or not isinstance(module, Linear):
         return False
     if len(info.shape) != 2 or info.data.ndim != 2 or info.data.shape[0] != info.shape[0]:
-        packed = repack(info)
-        if isinstance(packed, (Int4Weight, Int8Weight)) and quantized_cpu_supported(packed,
-                                                                                    dtype):
-            module.set_quantized(packed)
-            return True
-        return False
-    first = repack(info.data[:1], info.qtype, (1, info.shape[1]))
-    if not (isinstance(first, (Int4Weight, Int8Weight))
-            and quantized_cpu_supported(first, dtype)):
-        return False
+        whole = repack(info)
+        packed = (module.pack(row_source(whole))
+                  if isinstance(whole, (Int4Weight, Int8Weight)) else None)
+    else:
+        first = repack(info.data[:1], info.qtype, (1, info.shape[1]))
+        if not isinstance(first, (Int4Weight, Int8Weight)):
+            return False
 
-    def rows(start: int, end: int) -> Int4Weight | Int8Weight:
-        w = repack(info.data[start:end], info.qtype, (end - start, info.shape[1]))
-        assert isinstance(w, (Int4Weight, Int8Weight))
-        gf.release(info, (start, end))  # copied out: its file pages can go
-        return w
+        def rows(start: int, end: int) -> Int4Weight | Int8Weight:
+            w = repack(info.data[start:end], info.qtype, (end - start, info.shape[1]))
+            assert isinstance(w, (Int4Weight, Int8Weight))
+            gf.release(info, (start, end))  # copied out: its file pages can go
+            return w
 
-    module.set_quantized_rows(rows)
+        packed = module.pack(rows)
+    if packed is None:
+        return False
+    replace_module(model, module, packed)
     return True
 
 
-def _warn_unpacked(src: str, unpacked: dict[int, list[TensorInfo]], dtype: torch.dtype) -> None:
+def _warn_unpacked(src: str, unpacked: dict[int, list[TensorInfo]], dtype: torch.dtype,
+                   backend: str) -> None:
     """One line per quantized type that had to be dequantized to the compute dtype: what it
     costs in memory (and that its matmuls run dense)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     for qtype, infos in unpacked.items():
         stored = sum(int(info.data.nbytes) for info in infos)
         dense = sum(math.prod(info.shape) * itemsize for info in infos)
-        log.warning("%s: %d tensor(s) of type %s have no packed CPU format here: dequantized "
-                    "to %s at load, %.1f MiB instead of %.1f MiB (%.1fx), with dense matmuls",
-                    Path(src).name, len(infos), qtype_name(qtype), str(dtype).split(".")[-1],
-                    dense / 2**20, stored / 2**20, dense / max(stored, 1))
+        log.warning("%s: %d tensor(s) of type %s have no packed format on the %s backend: "
+                    "dequantized to %s at load, %.1f MiB instead of %.1f MiB (%.1fx), with "
+                    "dense matmuls", Path(src).name, len(infos), qtype_name(qtype), backend,
+                    str(dtype).split(".")[-1], dense / 2**20, stored / 2**20,
+                    dense / max(stored, 1))
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
-              progress: ProgressFn | None = None, quantized: bool | None = None
-              ) -> LoadedModel:
-    """Load a GGUF model. `quantized` (default: when computing in bf16) keeps the weights of
-    linear layers packed where the CPU has a kernel for their format; others are dequantized
-    to `dtype` at load."""
+              progress: ProgressFn | None = None, quantized: bool | None = None,
+              backend: Backend | None = None) -> LoadedModel:
+    """Load a GGUF model onto `backend` (default: the CPU's). `quantized` (default: when
+    computing in bf16) keeps the weights of linear layers packed where the backend has a
+    packed form for their format; others are dequantized to `dtype` at load."""
     with load_time_allocation():
-        return _load_gguf(path, dtype, progress, quantized)
+        return _load_gguf(path, dtype, progress, quantized, backend or make_backend("cpu"))
 
 
 def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
-               progress: ProgressFn | None, quantized: bool | None) -> LoadedModel:
+               progress: ProgressFn | None, quantized: bool | None,
+               backend: Backend) -> LoadedModel:
     if quantized is None:
         quantized = dtype == torch.bfloat16
     gf = GGUFFile(path)
@@ -202,9 +208,10 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         raise ModelLoadError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but the "
                              f"embedding only {cfg.vocab_size}")
     cls = model_class(cfg.arch)
-    _check_against_file(gf, cfg, cls, dtype)
+    _check_against_file(gf, cfg, cls, dtype, backend)
     try:
-        model = cls(cfg, dtype)
+        with backend.device:
+            model = cls(cfg, dtype, backend)
     except (RuntimeError, MemoryError) as e:
         raise ModelLoadError(f"{src}: cannot allocate the model ({e})") from None
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -215,16 +222,16 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         if name == "rope.freq_factors":
             model.rope.set_freq_factors(dequantize(info, src).flatten(), cfg)
         elif name is not None and name in params:
-            if not (quantized and _keep_quantized(model, name, info, gf, dtype)):
+            if not (quantized and _keep_quantized(model, name, info, gf)):
                 params[name].data.copy_(dequantize(info, src))
                 if quantized and info.qtype not in DENSE_TYPES:
                     unpacked.setdefault(info.qtype, []).append(info)
         gf.release(info)
         if progress is not None:
             progress(i + 1, len(infos))
-    _warn_unpacked(src, unpacked, dtype)
+    _warn_unpacked(src, unpacked, dtype, backend.name)
     # the parts' packed matrices were small enough for the heap, the fused ones are not:
     # their freed space would stay until the load ends, 10-14 MB over the steady size
     model.fuse_projections(after_layer=release_free_memory)
     model.eval()
-    return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path))
+    return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path), backend)

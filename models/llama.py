@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 through config flags).
 
-Only declares modules and the forward graph; weights are filled in by the loader and the
-attention math lives behind `localllm.layers.attention.AttentionBackend`.
+Only declares modules and the forward graph. The loader fills in the weights (and swaps in
+the backend's quantized linear layers); every op runs through the layers, which ask the
+`Backend` the model was built with.
 """
 
 from __future__ import annotations
@@ -13,30 +14,34 @@ from torch import nn
 
 from localllm.config import ModelConfig
 from localllm.layers.activation import silu_and_mul
-from localllm.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from localllm.layers.cpu_packed import decode_rows
-from localllm.layers.fused_decode import FusedDecode
-from localllm.layers.linear import Linear, fuse_linears
+from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.backend import Backend
+from localllm.layers.linear import Linear, LinearBase, fuse_linears
 from localllm.layers.norm import RMSNorm
 from localllm.layers.rope import RotaryEmbedding
-from localllm.layers.topk import top_indices
+from localllm.layers.stack import DecoderLayout, LayerParts
 
 REFINE_TOP = 16  # bf16 compute: logits of the best tokens recomputed in fp32
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype,
+                 backend: Backend) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.hd, cfg.attn_bias, dtype)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, cfg.attn_bias, dtype)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, cfg.attn_bias, dtype)
-        self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, False, dtype)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = hd = cfg.head_dim
+        hidden, bias = cfg.hidden_size, cfg.attn_bias
+        self.q_proj: LinearBase = Linear(hidden, self.num_heads * hd, bias, dtype, backend)
+        self.k_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype, backend)
+        self.v_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype, backend)
+        self.o_proj: LinearBase = Linear(self.num_heads * hd, hidden, False, dtype, backend)
+        eps = cfg.rms_norm_eps
+        self.q_norm = RMSNorm(hd, eps, dtype, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps, dtype, backend) if cfg.qk_norm else None
         self.rope = rope
-        self.scale = self.hd ** -0.5
-        self.qkv_proj: Linear | None = None  # q, k, v stacked, once `fuse` succeeds
+        self.backend = backend
+        self.scale = hd ** -0.5
+        self.qkv_proj: LinearBase | None = None  # q, k, v stacked, once `fuse` succeeds
 
     def fuse(self) -> None:
         """After loading: stack q/k/v into one layer (one matmul per step instead of three)
@@ -46,41 +51,40 @@ class Attention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        t = x.shape[0]
-        nh, nkv = self.n_heads, self.n_kv
+        t, hd = x.shape[0], self.head_dim
+        nh, nkv = self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None and self.q_norm is None:
             # q and k heads sit side by side in the fused output: one rotation for both
             flat = self.qkv_proj(x)  # [t, (n_heads + 2 * n_kv) * head_dim]
-            qkv = flat.view(t, nh + 2 * nkv, self.hd)
-            if self.rope.rotate_heads_(positions, flat, nh + nkv, self.hd):
+            qkv = flat.view(t, nh + 2 * nkv, hd)
+            if self.rope.rotate_heads_(positions, flat, nh + nkv, hd):
                 q, k, v = qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
             else:
                 qk = self.rope.rotate(positions, qkv[:, :nh + nkv])
                 q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         else:
             if self.qkv_proj is not None:
-                qf, kf, vf = self.qkv_proj(x).split((nh * self.hd, nkv * self.hd,
-                                                     nkv * self.hd), dim=-1)
+                qf, kf, vf = self.qkv_proj(x).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
             else:
                 qf, kf, vf = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q, k = qf.view(t, nh, self.hd), kf.view(t, nkv, self.hd)
-            v = vf.view(t, nkv, self.hd)
+            q, k, v = qf.view(t, nh, hd), kf.view(t, nkv, hd), vf.view(t, nkv, hd)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(positions, q, k)
-        o = backend.forward(q, k, v, cache, meta, self.scale)  # [num_tokens, n_heads, head_dim]
-        return self.o_proj(o.reshape(t, self.n_heads * self.hd))
+        o = self.backend.attention(q, k, v, cache, meta, self.scale)  # [t, nh, head_dim]
+        return self.o_proj(o.reshape(t, nh * hd))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
-        self.gate_up_proj: Linear | None = None  # gate and up stacked, once `fuse` succeeds
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
+        self.up_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
+        self.down_proj: LinearBase = Linear(inter, hidden, False, dtype, backend)
+        self.gate_up_proj: LinearBase | None = None  # gate and up stacked, once `fuse` succeeds
 
     def fuse(self) -> None:
         """After loading: stack gate and up into one layer, and drop the separate ones."""
@@ -95,16 +99,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype,
+                 backend: Backend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rope, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
+        self.self_attn = Attention(cfg, rope, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                backend)
+        self.mlp = MLP(cfg, dtype, backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # x: this layer's input [num_tokens, hidden]: the embeddings (residual None) or the
         # previous layer's MLP output, still to be added into the residual stream.
         # Returns (MLP output, residual stream); the stream may be updated in place.
@@ -112,26 +117,28 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, cache, meta, backend)
+        h = self.self_attn(h, positions, cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.backend = backend
         # the embedding table is a Linear [vocab, hidden], so that a tied LM head is the same
         # module and the weight is held once, quantized or not
-        self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, exact_rows=True)
-        self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, dtype)
+        self.embed_tokens: LinearBase = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+                                               backend, exact_rows=True)
+        self.rope = RotaryEmbedding(cfg, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, dtype, backend)
                                     for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype))
-        self._fused_decode = FusedDecode()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
+        self.lm_head: LinearBase = (
+            self.embed_tokens if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, backend))
 
     def fuse_projections(self, after_layer: Callable[[], None] | None = None) -> None:
         """After loading: stack the projections that read the same input (see `fuse`).
@@ -151,14 +158,15 @@ class LlamaForCausalLM(nn.Module):
         for prefix, module in self.named_modules(remove_duplicate=False):
             parts: list[tuple[str, int]] = []
             if isinstance(module, Attention) and module.qkv_proj is not None:
-                nq, nkv = module.n_heads * module.hd, module.n_kv * module.hd
+                nq = module.num_heads * module.head_dim
+                nkv = module.num_kv_heads * module.head_dim
                 parts = [("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)]
                 fused = module.qkv_proj
             elif isinstance(module, MLP) and module.gate_up_proj is not None:
                 n = module.gate_up_proj.out_features // 2
                 parts = [("gate_proj", n), ("up_proj", n)]
                 fused = module.gate_up_proj
-            elif isinstance(module, Linear):
+            elif isinstance(module, LinearBase):
                 out[f"{prefix}.weight"] = module.dense_weight()
                 if module.bias is not None:
                     out[f"{prefix}.bias"] = module.bias
@@ -175,23 +183,26 @@ class LlamaForCausalLM(nn.Module):
                         out[f"{prefix}.{name}.{kind}"] = piece
         return out
 
+    def decoder_layout(self) -> DecoderLayout:
+        """The layers as data, for a backend's whole-step fast path (after loading)."""
+        parts = [LayerParts(layer.input_layernorm, layer.post_attention_layernorm,
+                            layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                            layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                            layer.self_attn.q_norm is not None)
+                 for layer in self.layers]
+        cfg = self.cfg
+        return DecoderLayout(self.embed_tokens, self.rope, parts, self.norm, self.dtype,
+                             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.head_dim ** -0.5)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: list[KVCache], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
-        fused = self._fused_decode(self, input_ids, positions, caches, meta, backend)
-        if fused is not None:  # a decode-only step, all layers in one native call
-            return fused
         x = self.embed_tokens.embed(input_ids)
         residual: torch.Tensor | None = None
-        # the scheduler puts decoding sequences first: their rows keep the few-rows kernels
-        # even when a long prompt shares the step
-        decoding = next((i for i, n in enumerate(meta.query_lens) if n != 1),
-                        len(meta.query_lens))
-        with decode_rows(decoding):
-            for layer, cache in zip(self.layers, caches):
-                x, residual = layer(x, residual, positions, cache, meta, backend)
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(x, residual, positions, cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
@@ -199,14 +210,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] fp32
-        with decode_rows(hidden.shape[0]):  # one row per sequence: the same path at any batch
-            logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
         if self.dtype == torch.float32:
             return logits
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
         # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
-        top = top_indices(logits, min(REFINE_TOP, logits.shape[1]))  # [seqs, k]
+        top = self.backend.top_k(logits, min(REFINE_TOP, logits.shape[1]))  # [seqs, k]
         rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
         if self.lm_head.bias is not None:

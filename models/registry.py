@@ -1,9 +1,33 @@
-"""GGUF `general.architecture` -> model class."""
+"""GGUF `general.architecture` -> model class, and the interface the engine needs of a model."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import torch
+
+from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
+from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.backend import Backend
+from localllm.layers.stack import DecoderLayout
 from localllm.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the loaders, the model runner and the engine use of a model."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    backend: Backend
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def decoder_layout(self) -> DecoderLayout: ...
+
 
 _REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import NamedTuple
 
@@ -17,7 +16,6 @@ from localllm.engine.request import FinishReason, Request, RequestStatus
 from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from localllm.errors import RequestError
-from localllm.layers.topk import argmax_rows
 from localllm.loader import LoadedModel
 from localllm.memory import release_free_memory
 from localllm.text.detokenizer import IncrementalDetokenizer, StopChecker
@@ -35,17 +33,6 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None
     error: str | None
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class _TextState:
@@ -68,7 +55,8 @@ class LLMEngine:
         if cache.num_blocks:
             num_blocks = cache.num_blocks
         else:
-            budget = cache.memory_bytes or min(DEFAULT_KV_MEMORY, available_memory() // 4)
+            budget = cache.memory_bytes or min(DEFAULT_KV_MEMORY,
+                                               loaded.backend.kv_memory_available() // 4)
             useful = sched.max_num_seqs * -(-self.max_model_len // cache.block_size)
             num_blocks = max(1, min(budget // per_block, useful))
         self.num_blocks = num_blocks
@@ -78,7 +66,7 @@ class LLMEngine:
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
         self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(loaded.backend)
         self.stats = EngineStats()
         self._texts: dict[str, _TextState] = {}
         self._requests: dict[str, Request] = {}
@@ -175,7 +163,8 @@ class LLMEngine:
             # embeddings padded past the tokenizer: those ids have no text, never sample them
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
         # each row's best logit must be finite (a full isfinite pass costs 0.4 ms a step)
-        if not torch.isfinite(logits.gather(1, argmax_rows(logits)[:, None])).all():
+        best = self.runner.backend.argmax(logits)
+        if not torch.isfinite(logits.gather(1, best[:, None])).all():
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens)}

@@ -1,22 +1,20 @@
-"""Runs the model on one scheduled batch: flat inputs, paged K/V pools, last-position logits."""
+"""Runs the model on one scheduled batch: flat inputs, paged K/V pools, last-position logits.
+
+The runner holds the model's backend and device: it allocates the KV pools through the
+backend, builds each step's metadata, and takes the backend's whole-step fast path (a
+decode-only step in one call) where the backend has one, the model's forward otherwise.
+"""
 
 from __future__ import annotations
-
-import math
-import mmap
 
 import torch
 
 from localllm.config import ModelConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
-from localllm.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    KVCache,
-    TorchPagedAttention,
-)
-from localllm.models.llama import LlamaForCausalLM
+from localllm.layers.attention import AttentionMetadata
+from localllm.layers.backend import WholeStep
+from localllm.models.registry import CausalLM
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -24,35 +22,39 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    if device.type != "cpu":
-        return [KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(cfg.num_layers)]
-    # NOTE: on the CPU the pools live in one anonymous memory map: the kernel hands out zeroed
-    # pages on first touch, so the cache is resident only as far as blocks are used, and an
-    # unwritten slot reads as 0 (never NaN garbage that a mask could not cancel).
-    per_pool = math.prod(shape)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    buf = mmap.mmap(-1, 2 * cfg.num_layers * per_pool * itemsize)
-    flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
-    pools = flat.view(cfg.num_layers, 2, *shape)
-    return [KVCache(pools[i, 0], pools[i, 1]) for i in range(cfg.num_layers)]
-
-
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | None = None,
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.cfg = model.cfg
         self.block_size = block_size
-        self.device = device or torch.device("cpu")
-        self.backend: AttentionBackend = backend or TorchPagedAttention()
-        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, block_size, model.dtype,
-                                            self.device)
+        self.backend = model.backend
+        self.device = self.backend.device
+        cfg = self.cfg
+        self.kv_caches = self.backend.allocate_kv(cfg.num_layers, num_blocks, block_size,
+                                                  cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        self._whole_step: WholeStep | None = None
+        self._whole_step_built = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden] of one step."""
+        if not self._whole_step_built:  # after loading, which must not change the weights
+            self._whole_step = self.backend.whole_step(self.model.decoder_layout())
+            self._whole_step_built = True
+        if self._whole_step is not None:
+            hidden = self._whole_step(input_ids, positions, self.kv_caches, meta)
+            if hidden is not None:  # a decode-only step, all layers in one call
+                return hidden
+        # the scheduler puts decoding sequences first: their rows keep the few-rows kernels
+        # even when a long prompt shares the step
+        with self.backend.decoding_rows(meta.leading_decodes()):
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_seqs, hidden] -> fp32 logits [num_seqs, vocab] on the device."""
+        # one row per sequence: the same path at any batch
+        with self.backend.decoding_rows(hidden.shape[0]):
+            return self.model.compute_logits(hidden)
 
     def _prepare(self, batch: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -88,7 +90,7 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; returns logits [num_sampling, vocab] fp32 and the sampling requests."""
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden = self.forward(input_ids, positions, meta)
         last: list[int] = []
         sampling: list[Request] = []
         end = 0
@@ -100,30 +102,33 @@ class ModelRunner:
         if not last:
             return torch.empty(0, self.cfg.vocab_size), sampling
         idx = torch.tensor(last, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[idx]).cpu(), sampling
+        return self.logits(hidden[idx]).cpu(), sampling
 
 
-def prompt_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16,
+def prompt_logits(model: CausalLM, token_ids: list[int], block_size: int = 16,
                   chunk: int = 0) -> torch.Tensor:
     """Teacher-forced logits of every position of one sequence: [len(token_ids), vocab] fp32.
 
-    Uses a private KV pool sized for the sequence, so it never touches an engine's cache.
-    `chunk` > 0 feeds the sequence that many tokens at a time (as chunked prefill, or decode
-    with chunk=1, would), which exercises the small-batch kernels.
+    Runs its own `ModelRunner` with a private KV pool sized for the sequence, so it never
+    touches an engine's cache. `chunk` > 0 feeds the sequence that many tokens at a time (as
+    chunked prefill, or decode with chunk=1, would), which exercises the small-batch kernels
+    and the whole-step fast path.
     """
     n = len(token_ids)
     nb = -(-n // block_size)
-    caches = allocate_kv_caches(model.cfg, nb, block_size, model.dtype, torch.device("cpu"))
-    table = torch.arange(nb, dtype=torch.long).unsqueeze(0)
+    runner = ModelRunner(model, nb, block_size)
+    dev = runner.device
+    table = torch.arange(nb, dtype=torch.long, device=dev).unsqueeze(0)
     step = chunk if chunk > 0 else n
     out = []
     for start in range(0, n, step):
         end = min(n, start + step)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(start, end, dtype=torch.long), block_tables=table,
-            query_lens=[end - start], context_lens=[end], block_size=block_size,
+            slot_mapping=torch.arange(start, end, dtype=torch.long, device=dev),
+            block_tables=table, query_lens=[end - start], context_lens=[end],
+            block_size=block_size,
         )
-        hidden = model(torch.tensor(token_ids[start:end], dtype=torch.long),
-                       torch.arange(start, end), caches, meta, TorchPagedAttention())
-        out.append(model.compute_logits(hidden))
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
+        hidden = runner.forward(ids, torch.arange(start, end, device=dev), meta)
+        out.append(runner.logits(hidden).cpu())
     return torch.cat(out)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from localllm.engine.request import Request
-from localllm.layers.topk import argmax_rows, top_indices
+from localllm.layers.backend import Backend
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
@@ -46,30 +46,37 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 class Sampler:
+    """Samples each request's next token from its logits row, with the backend's argmax and
+    top-k."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         # logits: [num_seqs, vocab] fp32
         if all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in requests):
-            return argmax_rows(logits).tolist()
+            return self.backend.argmax(logits).tolist()
         out: list[int] = []
         for row, req in zip(logits, requests):
             p = req.params
             row = apply_repetition_penalty(row, req.all_token_ids, p.repetition_penalty)
             if p.greedy:
-                out.append(int(argmax_rows(row[None])[0]))
+                out.append(int(self.backend.argmax(row[None])[0]))
                 continue
-            out.append(_draw(row / p.temperature, p.top_k, p.top_p, p.min_p, req.generator))
+            out.append(self._draw(row / p.temperature, p.top_k, p.top_p, p.min_p,
+                                  req.generator))
         return out
 
 
-def _draw(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
-          generator: torch.Generator | None) -> int:
-    # logits: [vocab] fp32, divided by temperature
-    if 0 < top_k < logits.shape[-1]:
-        # filter and draw among the k candidates only: the same distribution as filtering the
-        # whole vocabulary (top-p and min-p see the renormalized top-k mass either way), at
-        # ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k entries)
-        idx = top_indices(logits[None], top_k)[0]
-        kept = filter_logits(logits[idx], 0, top_p, min_p)
-        return int(idx[torch.multinomial(kept.softmax(-1), 1, generator=generator)])
-    row = filter_logits(logits, top_k, top_p, min_p)
-    return int(torch.multinomial(row.softmax(-1), 1, generator=generator))
+    def _draw(self, logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+              generator: torch.Generator | None) -> int:
+        # logits: [vocab] fp32, divided by temperature
+        if 0 < top_k < logits.shape[-1]:
+            # filter and draw among the k candidates only: the same distribution as filtering
+            # the whole vocabulary (top-p and min-p see the renormalized top-k mass either
+            # way), at ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k)
+            idx = self.backend.top_k(logits[None], top_k)[0]
+            kept = filter_logits(logits[idx], 0, top_p, min_p)
+            return int(idx[torch.multinomial(kept.softmax(-1), 1, generator=generator)])
+        row = filter_logits(logits, top_k, top_p, min_p)
+        return int(torch.multinomial(row.softmax(-1), 1, generator=generator))

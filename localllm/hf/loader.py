@@ -6,12 +6,12 @@ The folder holds `config.json`, `tokenizer.json` (+ `tokenizer_config.json`,
 HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is).
 
 `quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
-embedding or the LM head) on load, see `localllm.quant.quantize`. With bf16 compute, int4
-weights (groups of 32) and int8 weights (per channel) stay packed for PyTorch's CPU kernels
-through `Linear.set_quantized`; nf4 weights (no CPU kernel takes a codebook), and every weight
-with fp32 compute, are stored dequantized in the compute dtype: they carry the quantization
-error, not its memory savings. The GPU kernels will consume the packed formats directly.
-Bitsandbytes checkpoints are likewise dequantized at load.
+embedding or the LM head) on load, see `localllm.quant.quantize`. Where the backend has a
+packed form for the result (`Linear.pack`: on the CPU, int4 and NF4 groups of 32 and
+per-channel int8, with bf16 compute) it stays packed; otherwise, and for every weight with fp32
+compute, it is stored dequantized in the compute dtype: it carries the quantization error, not
+its memory savings. Bitsandbytes checkpoints are dequantized at load and, with `quantize`,
+quantized again.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
 from localllm.hf.weights import SafetensorsFolder
-from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.layers.backend import Backend
+from localllm.layers.linear import Linear, replace_module, row_source
 from localllm.loader import LoadedModel, ProgressFn, file_fingerprint, load_time_allocation
 from localllm.memory import release_free_memory
 from localllm.models.llama import LlamaForCausalLM
@@ -66,13 +68,13 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def _tensor_map(st: SafetensorsFolder, cfg: ModelConfig, cls: type[LlamaForCausalLM],
-                dtype: torch.dtype, bnb: bool) -> dict[str, str]:
+                dtype: torch.dtype, bnb: bool, backend: Backend) -> dict[str, str]:
     """Check every tensor's shape against the config before allocating anything real;
     returns parameter name -> checkpoint tensor name."""
     src = str(st.folder)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in
-                  cls(cfg, dtype).named_parameters(remove_duplicate=False)}
+                  cls(cfg, dtype, backend).named_parameters(remove_duplicate=False)}
     layers = {int(n.split(".")[2]) for n in st.names()
               if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     if layers and max(layers) + 1 != cfg.num_layers:
@@ -118,27 +120,30 @@ def _linear(model: LlamaForCausalLM, name: str) -> Linear | None:
     return module
 
 
-def _load_linear(module: Linear, param: torch.Tensor, w: torch.Tensor,
-                 quantize_mode: str | None, dtype: torch.dtype) -> None:
+def _load_linear(model: LlamaForCausalLM, module: Linear, param: torch.Tensor,
+                 w: torch.Tensor, quantize_mode: str | None) -> None:
     if quantize_mode is None or w.shape[1] % QUANT_GROUP:
         param.data.copy_(w)
         return
     qw = quantize(w, quantize_mode)
-    if quantized_cpu_supported(qw, dtype):
-        module.set_quantized(qw)
+    packed = module.pack(row_source(qw))
+    if packed is not None:
+        replace_module(model, module, packed)
     else:
         param.data.copy_(qw.dequantize())
 
 
 def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
-            progress: ProgressFn | None = None, quantize: str | None = None) -> LoadedModel:
-    """Load a Hugging Face checkpoint folder (see the module docstring)."""
+            progress: ProgressFn | None = None, quantize: str | None = None,
+            backend: Backend | None = None) -> LoadedModel:
+    """Load a Hugging Face checkpoint folder onto `backend` (default: the CPU's; see the
+    module docstring)."""
     with load_time_allocation():
-        return _load_hf(path, dtype, progress, quantize)
+        return _load_hf(path, dtype, progress, quantize, backend or make_backend("cpu"))
 
 
 def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: ProgressFn | None,
-             quantize: str | None) -> LoadedModel:
+             quantize: str | None, backend: Backend) -> LoadedModel:
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     folder = Path(path)
@@ -162,9 +167,10 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
                              f"embedding only {cfg.vocab_size}")
     cls = model_class(cfg.arch)
     with SafetensorsFolder(folder) as st:
-        tensors = _tensor_map(st, cfg, cls, dtype, bnb is not None)
+        tensors = _tensor_map(st, cfg, cls, dtype, bnb is not None, backend)
         try:
-            model = cls(cfg, dtype)
+            with backend.device:
+                model = cls(cfg, dtype, backend)
         except (RuntimeError, MemoryError) as e:
             raise ModelLoadError(f"{src}: cannot allocate the model ({e})") from None
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -173,7 +179,7 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
             w = dequantize_bnb(st, hf_name) if bnb_weight else st.get(hf_name)
             module = _linear(model, name)
             if module is not None:
-                _load_linear(module, params[name], w, quantize, dtype)
+                _load_linear(model, module, params[name], w, quantize)
             else:
                 params[name].data.copy_(w)
             del w
@@ -184,4 +190,4 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
     # their freed space would stay until the load ends, 10-14 MB over the steady size
     model.fuse_projections(after_layer=release_free_memory)
     model.eval()
-    return LoadedModel(model, tokenizer, cfg, folder, fingerprint)
+    return LoadedModel(model, tokenizer, cfg, folder, fingerprint, backend)

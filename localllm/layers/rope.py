@@ -4,6 +4,9 @@ Two layouts:
 - pairs (GGUF `llama`, `rope_neox=False`): dims (2i, 2i+1) rotate together by angle p*f_i.
 - halves (NEOX / Hugging Face, `rope_neox=True`): dims (i, i + rope_dim/2) rotate together.
 Only the first `rope_dim` dims of each head rotate; the rest pass through.
+
+The tables and the PyTorch rotation live here; `rotate_heads_` lets the backend rotate q and k
+of a fused projection in place with its own kernel where it has one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from localllm.config import ModelConfig
-from localllm.kernels import cpu_native
+from localllm.layers.ops import LayerOps
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,8 +66,9 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, backend: LayerOps) -> None:
         super().__init__()
+        self.backend = backend
         self.rope_dim = cfg.rope_dim
         self.neox = cfg.rope_neox
         self.mscale = yarn_attention_factor(cfg)
@@ -110,15 +114,12 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_heads_(self, positions: torch.Tensor, x: torch.Tensor, heads: int,
                       head_dim: int) -> bool:
-        """Rotates the first `heads` heads of each row of x (bf16 [T, >= heads * head_dim],
-        heads side by side) in place with one native call, and says whether it did; False
-        leaves x untouched (no native kernels, or another dtype or device)."""
-        if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-                and x.stride(1) == 1 and cpu_native.available()):
-            return False
-        cos_t, sin_t = self._step_tables(positions)  # positions past them fail natively
-        cpu_native.rope_(x, heads, head_dim, self.rope_dim, cos_t, sin_t, positions, self.neox)
-        return True
+        """Rotates the first `heads` heads of each row of x ([T, >= heads * head_dim], heads
+        side by side) in place with the backend's kernel, and says whether it did; False
+        leaves x untouched (the backend has none for this dtype or device)."""
+        cos_t, sin_t = self._step_tables(positions)  # positions past them fail in the kernel
+        return self.backend.rope_(x, heads, head_dim, self.rope_dim, cos_t, sin_t, positions,
+                                  self.neox)
 
     def _step_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`tables` reaching the step's last position; every layer of a step passes the same

@@ -202,3 +202,12 @@ class Int8Weight:
         offsets = None if self.offsets is None else self.offsets.to(device)
         return Int8Weight(self.qweight.to(device), self.scales.to(device), offsets,
                           self.group_size)
+
+
+def slice_rows(w: Int4Weight | Int8Weight, start: int, end: int) -> Int4Weight | Int8Weight:
+    """Rows start..end of a weight, as a weight of the same format (views, no copies)."""
+    offs = None if w.offsets is None else w.offsets[start:end]
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.qweight[start:end], w.scales[start:end], offs, w.group_size,
+                          w.codebook)
+    return Int8Weight(w.qweight[start:end], w.scales[start:end], offs, w.group_size)

@@ -23,6 +23,7 @@ from localllm.engine.model_runner import prompt_logits
 from localllm.errors import ModelLoadError
 from localllm.hf import load_hf
 from localllm.kernels import cpu_native
+from localllm.layers.linear import QuantLinear
 from localllm.quant.quantize import quantize, quantize_int4, quantize_int8, quantize_nf4
 
 transformers = pytest.importorskip("transformers")
@@ -141,7 +142,8 @@ def test_quantize_on_load(folders: dict[str, Path], mode: str) -> None:
     ours = prompt_logits(loaded.model, ids)
     _, rel, top1 = _stats(ours, exact)
     bf16 = load_hf(folder, torch.bfloat16, quantize=mode)
-    packed = [m.quantized for n, m in bf16.model.named_modules() if n.endswith("proj")]
+    packed = [isinstance(m, QuantLinear) for n, m in bf16.model.named_modules()
+              if n.endswith("proj")]
     # NF4 stays packed where the native kernels run (two-term codebook), dense elsewhere
     assert all(packed) if mode in ("int4", "int8") or cpu_native.available() else not any(packed)
     _, rel16, top1_16 = _stats(prompt_logits(bf16.model, ids), exact)

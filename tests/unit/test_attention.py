@@ -1,11 +1,14 @@
-"""Paged attention (CPU backend) against dense causal attention on contiguous K/V."""
+"""Paged attention of the CPU and PyTorch backends against dense causal attention on
+contiguous K/V."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from localllm.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from localllm.backends.cpu import CpuBackend
+from localllm.backends.pytorch.backend import TorchBackend
+from localllm.layers.attention import AttentionMetadata, KVCache
 
 
 def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -26,8 +29,9 @@ def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     [(0, 1)],  # a one-token prompt
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype: torch.dtype,
-                                             cpu_path: str) -> None:
+                                             backend: str, cpu_path: str) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 64
     cache = KVCache(torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype),
@@ -56,7 +60,8 @@ def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype:
     q = torch.randn(sum(n for _, n in seqs), heads, dim).to(dtype)
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
-    out = TorchPagedAttention().forward(q, k_new, v_new, cache, meta, scale=dim ** -0.5)
+    ops = CpuBackend() if backend == "cpu" else TorchBackend(torch.device("cpu"))
+    out = ops.attention(q, k_new, v_new, cache, meta, scale=dim ** -0.5)
     start = 0
     for (_, new), k, v in zip(seqs, full_k, full_v):
         ref = dense_ref(q[start:start + new].float(), k.float(), v.float(), dim ** -0.5)

@@ -11,18 +11,19 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_factory import ModelSpec, write_model
 
+from localllm.backends.cpu import CpuBackend, dispatch
+from localllm.backends.cpu.packing import cpu_packable
+from localllm.backends.cpu.weights import CpuPackedWeight
+from localllm.backends.cpu.whole_step import build_stack
 from localllm.engine.model_runner import prompt_logits
-from localllm.kernels import cpu_native as cn
-from localllm.layers import cpu_packed
-from localllm.layers.cpu_packed import CpuPackedWeight
-from localllm.layers.fused_decode import build_stack
-from localllm.layers.linear import Linear, quantized_cpu_supported
+from localllm.kernels import cpu_int4, cpu_native, cpu_ops
+from localllm.layers.linear import Linear, QuantLinear, row_source
 from localllm.loader import load_gguf
 from localllm.quant.formats import NF4_CODEBOOK, Int4Weight, pack_nibbles
 
 pytestmark = pytest.mark.skipif(
-    not cn.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) and a C "
-    "compiler; this machine runs the PyTorch path, which the other tests cover")
+    not cpu_native.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) "
+    "and a C compiler; this machine runs the PyTorch path, which the other tests cover")
 
 
 def bf16_close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-6) -> None:
@@ -48,10 +49,10 @@ def packed(out: int, inp: int, planes: int, seed: int = 0, group: int = 32,
 def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """int4_mm's batches through AVX-512 dot products, then through AMX tiles (where the CPU
     has them)."""
-    if not cn.set_amx(request.param == "amx") and request.param == "amx":
+    if not cpu_native.set_amx(request.param == "amx") and request.param == "amx":
         pytest.skip("this CPU has no AMX (amx_tile, amx_bf16)")
     yield str(request.param)
-    cn.set_amx(cn.AMX_DEFAULT)
+    cpu_native.set_amx(cpu_native.AMX_DEFAULT)
 
 
 @pytest.mark.parametrize("offsets", [True, False])  # False: fp16 scales alone (Q4_0, Q8_0)
@@ -64,9 +65,9 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
     w = packed(out, 256, planes, group=group, offsets=offsets)
     assert w.group_size == group
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
-    y = cn.int4_mm(x, w.packed, w.scales_zeros, out, planes)
+    y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, out, planes)
     assert y.shape == (rows, out) and y.dtype == torch.bfloat16
-    want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, out, planes)
+    want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, out, planes)
     # near-zero outputs: the fp32 group sums carry an absolute error of ~1e-6 of the scale
     bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
 
@@ -75,11 +76,12 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
 def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int) -> None:
     w = packed(320, 128, 1, group=group)  # 5 tiles: one of them unpaired at batch 1
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    batched = cn.int4_mm(x, w.packed, w.scales_zeros, 320, 1)
+    batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, 1)
     for i in range(20):
-        pair = cn.int4_mm(x[[i, 19 - i if i != 19 - i else 0]], w.packed, w.scales_zeros, 320, 1)
+        pair = cpu_int4.int4_mm(x[[i, 19 - i if i != 19 - i else 0]], w.packed, w.scales_zeros,
+                                320, 1)
         assert torch.equal(pair[0], batched[i])
-        alone = cn.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)[0]
+        alone = cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)[0]
         if matmul_path == "avx512" or group == 16:  # AMX takes groups of 32 only
             assert torch.equal(alone, batched[i])
         else:  # one row runs on AVX-512: equal up to fp32 rounding
@@ -89,9 +91,9 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
 def test_int4_mm_refuses_mismatched_operands() -> None:
     w = packed(64, 128, 1)
     with pytest.raises(ValueError, match="int4_mm: bad operands"):
-        cn.int4_mm(torch.zeros(1, 96, dtype=torch.bfloat16), w.packed, w.scales_zeros, 64, 1)
+        cpu_int4.int4_mm(torch.zeros(1, 96, dtype=torch.bfloat16), w.packed, w.scales_zeros, 64, 1)
     with pytest.raises(ValueError, match="int4_mm: bad operands"):
-        cn.int4_mm(torch.zeros(1, 128), w.packed, w.scales_zeros, 64, 1)  # fp32 input
+        cpu_int4.int4_mm(torch.zeros(1, 128), w.packed, w.scales_zeros, 64, 1)  # fp32 input
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40: the parallel branch
@@ -100,19 +102,19 @@ def test_rms_norm_with_and_without_residual(rows: int, dim: int) -> None:
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, dim, generator=g) * 4).bfloat16()
     w = torch.randn(dim, generator=g).bfloat16()
-    bf16_close(cn.rms_norm(x, w, 1e-5), cn.rms_norm_ref(x, w, 1e-5))
+    bf16_close(cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_ref(x, w, 1e-5))
     r0 = torch.randn(rows, dim, generator=g).bfloat16()
     ra, rb = r0.clone(), r0.clone()
-    bf16_close(cn.rms_norm(x, w, 1e-5, ra), cn.rms_norm_ref(x, w, 1e-5, rb))
+    bf16_close(cpu_ops.rms_norm(x, w, 1e-5, ra), cpu_ops.rms_norm_ref(x, w, 1e-5, rb))
     assert torch.equal(ra, rb)  # the residual stream: one bf16 add, exactly
 
 
 @pytest.mark.parametrize("rows", [1, 40])
 def test_silu_mul(rows: int) -> None:
     gu = (torch.randn(rows, 2 * 1000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
-    out = cn.silu_mul(gu)
+    out = cpu_ops.silu_mul(gu)
     assert out.shape == (rows, 1000)
-    bf16_close(out, cn.silu_mul_ref(gu))
+    bf16_close(out, cpu_ops.silu_mul_ref(gu))
 
 
 @pytest.mark.parametrize("neox", [False, True])
@@ -123,23 +125,23 @@ def test_rope_in_place(neox: bool, rot_dim: int) -> None:
     pos = torch.tensor([0, 7, 99])
     ang = torch.arange(100).float()[:, None] * torch.rand(rot_dim // 2, generator=g)
     cos, sin = ang.cos(), ang.sin()
-    got = cn.rope_(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
-    want = cn.rope_ref(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
+    got = cpu_ops.rope_(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
+    want = cpu_ops.rope_ref(x.clone(), 12, 64, rot_dim, cos, sin, pos, neox)
     bf16_close(got, want)
     assert torch.equal(got[:, 12 * 64:], x[:, 12 * 64:])
     with pytest.raises(ValueError, match="outside the cos/sin tables"):
-        cn.rope_(x.clone(), 12, 64, rot_dim, cos, sin, torch.tensor([0, 1, 100]), neox)
+        cpu_ops.rope_(x.clone(), 12, 64, rot_dim, cos, sin, torch.tensor([0, 1, 100]), neox)
 
 
 def test_kv_store_and_bad_slots() -> None:
     pools = [torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16) for _ in range(4)]
     k, v = torch.randn(2, 3, 64).bfloat16().unbind(0)
     slots = torch.tensor([5, 63, 17])
-    cn.kv_store(k, v, slots, pools[0], pools[1])
-    cn.kv_store_ref(k, v, slots, pools[2], pools[3])
+    cpu_ops.kv_store(k, v, slots, pools[0], pools[1])
+    cpu_ops.kv_store_ref(k, v, slots, pools[2], pools[3])
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     with pytest.raises(ValueError, match="outside the pool"):
-        cn.kv_store(k, v, torch.tensor([5, 64, 0]), pools[0], pools[1])
+        cpu_ops.kv_store(k, v, torch.tensor([5, 64, 0]), pools[0], pools[1])
     assert torch.equal(pools[0], pools[2])  # nothing written
 
 
@@ -152,26 +154,26 @@ def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
     tables = torch.stack([torch.randperm(40, generator=g)[:20] for _ in ctxs])
     ctx = torch.tensor(ctxs)
     q = (torch.randn(len(ctxs), n_heads, 64, generator=g) * 2).bfloat16()
-    got = cn.decode_attention(q, kp, vp, tables, ctx, 0.125)
-    bf16_close(got, cn.decode_attention_ref(q, kp, vp, tables, ctx, 0.125))
+    got = cpu_ops.decode_attention(q, kp, vp, tables, ctx, 0.125)
+    bf16_close(got, cpu_ops.decode_attention_ref(q, kp, vp, tables, ctx, 0.125))
 
 
 def test_decode_attention_refuses_out_of_range_tables() -> None:
     kp = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out of range"):  # block 4 of a 4-block pool
-        cn.decode_attention(q, kp, kp, torch.tensor([[0, 4]]), torch.tensor([20]), 1.0)
+        cpu_ops.decode_attention(q, kp, kp, torch.tensor([[0, 4]]), torch.tensor([20]), 1.0)
     with pytest.raises(ValueError, match="out of range"):  # longer than its table
-        cn.decode_attention(q, kp, kp, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
+        cpu_ops.decode_attention(q, kp, kp, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
 
 
 @pytest.mark.parametrize("k", [1, 16, 40])
 def test_top_k(k: int) -> None:
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 49152, generator=g)
-    assert torch.equal(cn.top_k(x, k), cn.top_k_ref(x, k))
+    assert torch.equal(cpu_ops.top_k(x, k), cpu_ops.top_k_ref(x, k))
     ties = torch.randint(0, 4, (2, 1000), generator=g).float()  # ties go to the lower index
-    assert torch.equal(cn.top_k(ties, k), cn.top_k_ref(ties, k))
+    assert torch.equal(cpu_ops.top_k(ties, k), cpu_ops.top_k_ref(ties, k))
 
 
 SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
@@ -189,17 +191,28 @@ def small_model(small_model_file: Path) -> torch.nn.Module:
 
 
 def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module,
-                                             small_model_file: Path) -> None:
+                                             small_model_file: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     m = small_model
-    assert build_stack(m) is not None
+    assert build_stack(m.decoder_layout()) is not None
     ids = [3 + (7 * i) % 50 for i in range(40)]
+    backend = m.backend
+    built = backend.whole_step(m.decoder_layout())
+    assert built is not None
+    calls = []
+
+    def counting_step(layout: object) -> object:
+        def step(*args: object) -> object:
+            out = built(*args)  # type: ignore[arg-type]
+            calls.append(out is not None)
+            return out
+        return step
+
+    monkeypatch.setattr(backend, "whole_step", counting_step)
     fused = prompt_logits(m, ids, chunk=1)  # decode steps: one native call each
-    stack = m._fused_decode
-    try:
-        stack._stack = None  # force the per-op path
-        per_op = prompt_logits(m, ids, chunk=1)
-    finally:
-        stack._built = False
+    assert len(calls) == len(ids) and all(calls)  # every step took the native stack
+    monkeypatch.setattr(backend, "whole_step", lambda layout: None)  # the per-op path
+    per_op = prompt_logits(m, ids, chunk=1)
     assert torch.equal(fused, per_op)
     prompt = prompt_logits(m, ids)  # one prompt: per-op, dense matmuls for many rows
     # both bf16 paths against the fp32 model (each about 0.05-0.06 off at worst; they round
@@ -211,7 +224,7 @@ def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module,
 
 def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> None:
     m = small_model
-    stack = build_stack(m)
+    stack = build_stack(m.decoder_layout())
     assert stack is not None
     g = torch.Generator().manual_seed(7)
     pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
@@ -238,13 +251,13 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
 @pytest.mark.parametrize("planes", [1, 2])
 def test_int4_dequant_t(planes: int, group: int, offsets: bool) -> None:
     w = packed(96, 128, planes, group=group, offsets=offsets)  # one padded tile
-    wt = cn.int4_dequant_t(w.packed, w.scales_zeros, planes)
+    wt = cpu_int4.int4_dequant_t(w.packed, w.scales_zeros, planes)
     assert wt.shape == (128, 128)
-    bf16_close(wt, cn.int4_dequant_t_ref(w.packed, w.scales_zeros, planes))
+    bf16_close(wt, cpu_int4.int4_dequant_t_ref(w.packed, w.scales_zeros, planes))
     assert not wt[:, 96:].any()  # padding rows are zero weights
 
 
-needs_gemm = pytest.mark.skipif(not cn.gemm_available(), reason="this CPU has no AMX "
+needs_gemm = pytest.mark.skipif(not cpu_native.gemm_available(), reason="this CPU has no AMX "
                                 "(amx_tile, amx_bf16): prompts take dequantize + matmul, which "
                                 "the cpu_path tests cover")
 
@@ -266,8 +279,8 @@ def weight_of_kind(kind: str, out: int) -> tuple[CpuPackedWeight, int]:
 def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> None:
     w, planes = weight_of_kind(weight, 256)
     x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
-    got = cn.int4_gemm(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
-    want = cn.int4_gemm_ref(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
+    got = cpu_int4.int4_gemm(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
+    want = cpu_int4.int4_gemm_ref(x, w.packed, w.scales_zeros, 256, planes, w.lut, gated=gated)
     assert got.shape == (rows, 128 if gated else 256)
     # gated: a product one bf16 step off (fp32 sums in another order) moves the activation up
     # to two steps
@@ -283,23 +296,24 @@ def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
     # without a codebook; the others take the AVX-512 path)
     w, planes = weight_of_kind(weight, 192)
     x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
-    got = cn.int4_mm(x, w.packed, w.scales_zeros, 192, planes, w.lut, tiles=True)
-    want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 192, planes, w.lut)
+    got = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 192, planes, w.lut, tiles=True)
+    want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 192, planes, w.lut)
     bf16_close(got, want, atol=1e-5 * float(want.float().abs().max()))
-    assert not cn.amx_enabled() or cn.AMX_DEFAULT  # the decode setting is left alone
+    # the decode setting is left alone
+    assert not cpu_native.amx_enabled() or cpu_native.AMX_DEFAULT
 
 
 @needs_gemm
 def test_int4_gemm_rows_do_not_depend_on_the_batch() -> None:
     w = packed(200, 128, 1)  # a padded last tile: 200 of 256 rows written
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
-    batched = cn.int4_gemm(x, w.packed, w.scales_zeros, 200, 1)
+    batched = cpu_int4.int4_gemm(x, w.packed, w.scales_zeros, 200, 1)
     assert batched.shape == (40, 200)
     for i in (0, 17, 39):
-        assert torch.equal(cn.int4_gemm(x[i:i + 1], w.packed, w.scales_zeros, 200, 1)[0],
+        assert torch.equal(cpu_int4.int4_gemm(x[i:i + 1], w.packed, w.scales_zeros, 200, 1)[0],
                            batched[i])
     with pytest.raises(ValueError, match="bad operands"):  # 200 rows are no gate/up pair
-        cn.int4_gemm(x, w.packed, w.scales_zeros, 200, 1, gated=True)
+        cpu_int4.int4_gemm(x, w.packed, w.scales_zeros, 200, 1, gated=True)
 
 
 def test_a_failed_build_falls_back_with_a_one_line_warning(
@@ -312,7 +326,7 @@ def test_a_failed_build_falls_back_with_a_one_line_warning(
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("LOCALLLM_NATIVE_DIR", str(tmp_path / "build"))
     with caplog.at_level("WARNING", logger="localllm"):
-        assert cn._library.__wrapped__() is None
+        assert cpu_native._library.__wrapped__() is None
     assert "did not compile (error: no such instruction)" in caplog.text
     assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written is left
 
@@ -334,18 +348,18 @@ def test_int4_mm_with_a_codebook(group: int, rows: int) -> None:
     w = CpuPackedWeight.from_weight(iq4_weight(96, 128, group), torch.bfloat16)
     assert w.lut is not None and w.group_size == group
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
-    y = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
-    want = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)
     bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
-    wt = cn.int4_dequant_t(w.packed, w.scales_zeros, 1, w.lut)
-    bf16_close(wt, cn.int4_dequant_t_ref(w.packed, w.scales_zeros, 1, w.lut))
+    wt = cpu_int4.int4_dequant_t(w.packed, w.scales_zeros, 1, w.lut)
+    bf16_close(wt, cpu_int4.int4_dequant_t_ref(w.packed, w.scales_zeros, 1, w.lut))
 
 
 def test_codebook_weight_in_a_linear_layer_and_as_embedding_rows() -> None:
     src = iq4_weight(128, 128)
-    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16, exact_rows=True)
-    lin.set_quantized(src)
-    assert lin.quantized
+    lin = Linear(128, 128, False, torch.bfloat16, CpuBackend(), exact_rows=True).pack(
+        row_source(src))
+    assert isinstance(lin, QuantLinear)
     ref = src.dequantize()
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(10)).bfloat16()
     want = x.float() @ ref.t()
@@ -360,25 +374,26 @@ def test_nf4_weight_stays_packed_with_its_fp32_values(rows: int) -> None:
     codes = torch.randint(0, 16, (96, 128), generator=g, dtype=torch.uint8)
     absmax = torch.rand(96, 4, generator=g) + 0.05  # fp32 scales, as bitsandbytes keeps them
     src = Int4Weight(pack_nibbles(codes), absmax, None, 32, torch.tensor(NF4_CODEBOOK))
-    assert quantized_cpu_supported(src, torch.bfloat16)
-    lin = Linear(128, 96, bias=False, dtype=torch.bfloat16, exact_rows=True)
-    lin.set_quantized(src)
-    assert isinstance(lin.qweight, CpuPackedWeight) and lin.qweight.lut is not None
+    assert cpu_packable(src, torch.bfloat16)
+    lin = Linear(128, 96, False, torch.bfloat16, CpuBackend(), exact_rows=True).pack(
+        row_source(src))
+    assert lin is not None and isinstance(lin.qweight, CpuPackedWeight)
+    assert lin.qweight.lut is not None
     assert lin.qweight.lut[16:].any()  # NF4 is not exact in bf16: two terms
     ref = src.dequantize()
     x = torch.randn(rows, 128, generator=g).bfloat16()
     want = x.float() @ ref.t()
     got = lin(x).float()
     w = lin.qweight
-    if rows <= cpu_packed.NATIVE_KERNEL_MAX_ROWS:  # the kernel: the codebook's two terms
-        exact = cn.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)  # same bf16 scales
+    if rows <= dispatch.NATIVE_KERNEL_MAX_ROWS:  # the kernel: the codebook's two terms
+        exact = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)  # same bf16 scales
         bf16_close(got, exact.float(), atol=1e-5 * float(want.abs().max()))
     # bf16 scales (and for a prompt, bf16 weights): within bf16 rounding of the fp32 product
     assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
     ids = torch.tensor([0, 5, 95])
     assert torch.equal(lin.rows_fp32(ids), ref[ids])  # exact: the source's own values
-    lut = cn.codebook_lut(torch.tensor(NF4_CODEBOOK))
-    assert float((cn.lut_values(lut) - torch.tensor(NF4_CODEBOOK)).abs().max()) < 1e-5
+    lut = cpu_int4.codebook_lut(torch.tensor(NF4_CODEBOOK))
+    assert float((cpu_int4.lut_values(lut) - torch.tensor(NF4_CODEBOOK)).abs().max()) < 1e-5
 
 
 def test_nf4_with_fp16_scales_rounds_like_the_fp32_product() -> None:
@@ -394,8 +409,8 @@ def test_nf4_with_fp16_scales_rounds_like_the_fp32_product() -> None:
     x = torch.randn(3, 512, generator=g).bfloat16()
     want = (x.float() @ src.dequantize().t()).bfloat16()
     one_term = torch.cat((w.lut[:16], torch.zeros(16, dtype=torch.bfloat16)))
-    two = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
-    one = cn.int4_mm(x, w.packed, w.scales_zeros, 96, 1, one_term)
+    two = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
+    one = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 96, 1, one_term)
     assert int((two != want).sum()) <= 3 < 30 <= int((one != want).sum())
 
 

@@ -36,6 +36,7 @@ from localllm.engine.model_runner import prompt_logits
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import BLOCK_LAYOUTS, GGUFFile, TensorInfo
 from localllm.gguf.tensors import dequantize, module_name
+from localllm.layers.linear import QuantLinear
 from localllm.loader import LoadedModel, load_gguf
 
 PROMPT = [BOS_ID, 5, 40, 261, VOCAB_SIZE - 1, 2, 100]
@@ -211,7 +212,7 @@ def test_bf16_logits_of_the_best_tokens_are_exact(tmp_path: Path, tied: bool) ->
     spec = ModelSpec(tied=tied, qtype=QT.Q8_0)
     written = write_model(tmp_path / "q8.gguf", spec)
     m = load_gguf(written.path, torch.bfloat16).model
-    assert m.lm_head.quantized
+    assert isinstance(m.lm_head, QuantLinear)
     head = written.values("token_embd.weight" if tied else "output.weight")
     hidden = (torch.randn(4, spec.hidden) * 3).bfloat16()
     logits = m.compute_logits(hidden)
@@ -232,7 +233,7 @@ def test_bf16_packed_decode_is_close_to_fp32(tmp_path: Path, qtype: QT, cpu_path
     ref = prompt_logits(load_gguf(written.path, torch.float32).model, PROMPT * 4)
     model = load_gguf(written.path, torch.bfloat16).model
     native_only = qtype in (QT.Q6_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS)  # groups of 16, codebooks
-    assert model.layers[0].self_attn.qkv_proj.quantized == (
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear) == (
         not native_only or cpu_path.startswith("native"))
     scale = float(ref.abs().max())
     for chunk in (0, 1):
@@ -639,9 +640,9 @@ def test_types_without_a_packed_format_load_dense_with_one_warning(
         model = load_gguf(written.path, torch.bfloat16).model
     lines = [r.getMessage() for r in caplog.records if "IQ2_XS" in r.getMessage()]
     assert len(lines) == 1
-    assert "have no packed CPU format here: dequantized to bfloat16" in lines[0]
+    assert "have no packed format on the cpu backend: dequantized to bfloat16" in lines[0]
     assert "(6.9x)" in lines[0]  # 16 bits a weight instead of 2.31
-    assert not model.layers[0].self_attn.qkv_proj.quantized
+    assert not isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     caplog.clear()
     with caplog.at_level("WARNING", logger="localllm"):
         load_gguf(written.path, torch.float32)  # fp32 dequantizes everything by request

@@ -6,13 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localllm.backends.cpu import CpuBackend, packing, weights
+from localllm.backends.cpu.dispatch import decode_rows
+from localllm.backends.cpu.packing import cpu_packable
+from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_native
-from localllm.layers import cpu_packed
 from localllm.layers.activation import silu_and_mul
-from localllm.layers.cpu_packed import CpuPackedWeight, decode_rows
-from localllm.layers.linear import Linear, fuse_linears, quantized_cpu_supported
+from localllm.layers.linear import Linear, QuantLinear, fuse_linears, row_source
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
 from localllm.quant.quantize import quantize_int8
+
+CPU = CpuBackend()
+
+
+def quant_linear(w: Int4Weight | Int8Weight, bias: bool = False,
+                 exact_rows: bool = False) -> QuantLinear:
+    """A bf16 layer of the CPU backend holding `w` packed."""
+    lin = Linear(w.in_features, w.out_features, bias, torch.bfloat16, CPU, exact_rows)
+    packed = lin.pack(row_source(w))
+    assert packed is not None
+    return packed
 
 
 def random_int4(out: int, inp: int, offsets: bool, seed: int = 0,
@@ -54,10 +67,8 @@ def bf16_rounded_error(ref: torch.Tensor) -> float:
 def test_quantized_linear_matches_reference(kind: str, out: int, rows: int,
                                            cpu_path: str) -> None:
     w = WEIGHTS[kind](out)
-    lin = Linear(128, out, bias=True, dtype=torch.bfloat16)
+    lin = quant_linear(w, bias=True)
     lin.bias.data.normal_()  # type: ignore[union-attr]
-    lin.set_quantized(w)
-    assert lin.quantized and lin.weight is None
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.float() @ w.dequantize().t() + lin.bias.float()  # type: ignore[union-attr]
     y = lin(x).float()
@@ -68,8 +79,7 @@ def test_quantized_linear_matches_reference(kind: str, out: int, rows: int,
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -> None:
     w = WEIGHTS[kind](96)
-    lin = Linear(128, 96, bias=False, dtype=torch.bfloat16)
-    lin.set_quantized(w)
+    lin = quant_linear(w)
     ref = w.dequantize()
     # bf16 scales: each value within half a bf16 ulp of its scale times the code range
     torch.testing.assert_close(lin.dense_weight().float(), ref, rtol=1e-2, atol=2e-3)
@@ -77,16 +87,15 @@ def test_dense_weight_and_embedding_rows_are_the_dequantized_weight(kind: str) -
     torch.testing.assert_close(lin.embed(ids).float(), ref[ids], rtol=1e-2, atol=2e-3)
     if getattr(lin.qweight, "half", False):  # fp16 scales kept alone: exact rows anyway
         assert torch.equal(lin.rows_fp32(ids), ref[ids])
-    table = Linear(128, 96, bias=False, dtype=torch.bfloat16, exact_rows=True)
-    table.set_quantized(w)
+    table = quant_linear(w, exact_rows=True)
     # an embedding table's rows are the source's values, only rounded to bf16 once
     assert torch.equal(table.embed(ids), ref[ids].bfloat16())
 
 
-def quantized_linear_and_rows(kind: str, rows: int, seed: int) -> tuple[Linear, torch.Tensor]:
-    """A 128x128 bf16 Linear holding a WEIGHTS[kind] weight, and `rows` random inputs."""
-    lin = Linear(128, 128, bias=False, dtype=torch.bfloat16)
-    lin.set_quantized(WEIGHTS[kind](128))
+def quantized_linear_and_rows(kind: str, rows: int,
+                              seed: int) -> tuple[QuantLinear, torch.Tensor]:
+    """A 128x128 bf16 layer holding a WEIGHTS[kind] weight, and `rows` random inputs."""
+    lin = quant_linear(WEIGHTS[kind](128))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed)).bfloat16()
     return lin, x
 
@@ -113,7 +122,7 @@ def test_pack_tiles_is_pytorchs_int4_packed_layout() -> None:
     codes = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(7),
                           dtype=torch.uint8)
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    assert torch.equal(cpu_packed.pack_tiles(codes), want)
+    assert torch.equal(packing.pack_tiles(codes), want)
 
 
 def test_int8_planes_reproduce_every_code_exactly() -> None:
@@ -128,17 +137,15 @@ def test_int8_planes_reproduce_every_code_exactly() -> None:
 
 def test_unsupported_formats_are_refused(cpu_path: str) -> None:
     w = random_int4(64, 64, offsets=True)
-    assert not quantized_cpu_supported(w, torch.float32)  # fp32 stays dense and exact
-    lin = Linear(64, 64, bias=False, dtype=torch.float32)
-    with pytest.raises(ValueError, match="no quantized CPU path"):
-        lin.set_quantized(w)
+    assert not cpu_packable(w, torch.float32)  # fp32 stays dense and exact
+    assert Linear(64, 64, False, torch.float32, CPU).pack(row_source(w)) is None
     g16 = Int4Weight(w.qweight, w.scales.repeat_interleave(2, 1), None, 16)
     # groups of 16 (Q2_K, Q3_K, Q6_K): only the native kernels have them
-    assert quantized_cpu_supported(g16, torch.bfloat16) == cpu_path.startswith("native")
+    assert cpu_packable(g16, torch.bfloat16) == cpu_path.startswith("native")
     # codebooks (IQ4_NL, NF4, ...): the native kernels' table lookups only
     nf4 = Int4Weight(w.qweight, w.scales, None, 32, torch.linspace(-1, 1, 16))
-    assert quantized_cpu_supported(nf4, torch.bfloat16) == cpu_path.startswith("native")
-    assert quantized_cpu_supported(random_int8(64, 64, offsets=True), torch.bfloat16)
+    assert cpu_packable(nf4, torch.bfloat16) == cpu_path.startswith("native")
+    assert cpu_packable(random_int8(64, 64, offsets=True), torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["q4_1-like", "q5_1-like"])
@@ -146,7 +153,7 @@ def test_packing_a_few_tiles_at_a_time_gives_the_same_layout(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w = WEIGHTS[kind](200)  # 200 rows: three full tiles of 64 and a padded one
     whole = CpuPackedWeight.from_weight(w, torch.bfloat16)
-    monkeypatch.setattr(cpu_packed, "PACK_ROWS", 64)
+    monkeypatch.setattr(weights, "PACK_ROWS", 64)
     tiled = CpuPackedWeight.from_weight(w, torch.bfloat16)
     assert torch.equal(whole.packed, tiled.packed)
     assert torch.equal(whole.scales_zeros, tiled.scales_zeros)
@@ -155,9 +162,8 @@ def test_packing_a_few_tiles_at_a_time_gives_the_same_layout(
 def test_int8_with_offsets_and_32_columns_takes_the_packed_path() -> None:
     # one group of 32 is also "per channel": with offsets only the grouped path can hold it
     w = random_int8(64, 32, offsets=True)
-    assert w.per_channel and quantized_cpu_supported(w, torch.bfloat16)
-    lin = Linear(32, 64, bias=False, dtype=torch.bfloat16)
-    lin.set_quantized(w)
+    assert w.per_channel and cpu_packable(w, torch.bfloat16)
+    lin = quant_linear(w)
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
     ref = x.float() @ w.dequantize().t()
     assert (lin(x).float() - ref).abs().max() <= bf16_rounded_error(ref)
@@ -184,12 +190,7 @@ def test_gated_mlp_product_beside_decoding_rows(kind: str, decoding: int, cpu_pa
     # silu(x Wg^T) * (x Wu^T) of a stacked gate/up layer: decoding rows as alone, a prompt's
     # rows (on AMX tiles where there are, one tile at a time) close to the product's reference
     gate, up = WEIGHTS[kind](128), WEIGHTS[kind](128)
-    parts = []
-    for w in (gate, up):
-        part = Linear(128, 128, bias=False, dtype=torch.bfloat16)
-        part.set_quantized(w)
-        parts.append(part)
-    lin = fuse_linears(parts)
+    lin = fuse_linears([quant_linear(gate), quant_linear(up)])
     assert lin is not None
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
     with decode_rows(decoding):

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from localllm.backends.cpu import CpuBackend
 from localllm.config import SamplingParams
 from localllm.engine.request import Request
 from localllm.engine.sampler import Sampler, apply_repetition_penalty, filter_logits
@@ -34,7 +35,7 @@ def kept(logits: torch.Tensor) -> set[int]:
 
 
 def draws(logits: torch.Tensor, r: Request, n: int) -> list[int]:
-    sampler = Sampler()
+    sampler = Sampler(CpuBackend())
     return [sampler(logits[None], [r])[0] for _ in range(n)]
 
 
@@ -45,7 +46,7 @@ def test_greedy_is_argmax() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 100, generator=g)
     reqs = [req(temperature=0) for _ in range(5)]
-    assert Sampler()(logits, reqs) == logits.argmax(-1).tolist()
+    assert Sampler(CpuBackend())(logits, reqs) == logits.argmax(-1).tolist()
 
 
 def test_temperature_zero_is_greedy_and_has_no_generator() -> None:
@@ -62,7 +63,7 @@ def test_greedy_mixed_with_sampled_rows_stays_argmax() -> None:
     logits = torch.randn(3, 50, generator=g)
     reqs = [req(temperature=0), req(temperature=1.0, seed=3), req(temperature=0.7, top_k=1)]
     for _ in range(20):
-        out = Sampler()(logits, reqs)
+        out = Sampler(CpuBackend())(logits, reqs)
         assert out[0] == int(logits[0].argmax())
         assert out[2] == int(logits[2].argmax())
 
@@ -99,7 +100,7 @@ def test_draws_do_not_depend_on_the_batch() -> None:
     params = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 
     alone_req = req(**params)
-    alone = [Sampler()(row[None], [alone_req])[0] for _ in range(40)]
+    alone = [Sampler(CpuBackend())(row[None], [alone_req])[0] for _ in range(40)]
 
     batch_req = req(**params)
     others = [req(temperature=1.2, seed=1), req(temperature=0), req(temperature=0.8)]
@@ -107,7 +108,7 @@ def test_draws_do_not_depend_on_the_batch() -> None:
                          torch.randn(32, generator=g)])
     in_batch = []
     for _ in range(40):
-        out = Sampler()(batch, [others[0], batch_req, others[1], others[2]])
+        out = Sampler(CpuBackend())(batch, [others[0], batch_req, others[1], others[2]])
         in_batch.append(out[1])
     assert in_batch == alone
 
@@ -270,11 +271,11 @@ def test_repetition_penalty_divides_positive_multiplies_negative_seen_only() -> 
 def test_repetition_penalty_in_sampler_uses_prompt_and_output() -> None:
     logits = torch.tensor([[3.0, 2.0, 1.6]])
     r = req(prompt=[0], temperature=0, repetition_penalty=2.0)
-    assert Sampler()(logits, [r]) == [1]  # [1.5, 2.0, 1.6]
+    assert Sampler(CpuBackend())(logits, [r]) == [1]  # [1.5, 2.0, 1.6]
     r.output_ids.append(1)
-    assert Sampler()(logits, [r]) == [2]  # [1.5, 1.0, 1.6]
+    assert Sampler(CpuBackend())(logits, [r]) == [2]  # [1.5, 1.0, 1.6]
     # without the penalty the same tokens give plain argmax
-    assert Sampler()(logits, [req(prompt=[0, 1], temperature=0)]) == [0]
+    assert Sampler(CpuBackend())(logits, [req(prompt=[0, 1], temperature=0)]) == [0]
 
 
 def test_repetition_penalty_applies_before_sampling() -> None:

@@ -1,0 +1,187 @@
+"""The int4 weight-only matmuls and dequantization of `cpu_int4*.c`, beside their references.
+
+Weights are in the packed layout of PyTorch's int4 CPU kernel (see
+`localllm/backends/cpu/packing.py`): uint8 [out_padded, planes * in / 2], with bf16 (scale,
+zero) pairs or the fp16 scales alone of a symmetric weight (`scales_layout`). Call
+`cpu_native.available()` first; `int4_gemm` also needs `cpu_native.gemm_available()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.kernels import cpu_native
+from localllm.kernels.cpu_ops import silu_mul_ref
+
+TILE = 64  # rows per tile of the packed layout
+GROUP_SIZES = (32, 16)  # the kernels' groups of columns; the scales' shape tells which
+
+
+def codebook_lut(codebook: torch.Tensor) -> torch.Tensor:
+    """The kernels' form of a 16-entry codebook: bf16 [32], its bf16 rounding hi and the
+    remainder lo = bf16(v - hi) (zero for integer codebooks such as IQ4_NL's), so that
+    hi + lo holds values such as NF4's to about 2^-17. The kernels take one product per weight
+    when lo is zero, two (hi and lo) otherwise."""
+    v = codebook.float().reshape(16)
+    hi = v.bfloat16()
+    return torch.cat((hi, (v - hi.float()).bfloat16())).contiguous()
+
+
+def lut_values(lut: torch.Tensor) -> torch.Tensor:
+    """fp32 [16] codebook values hi + lo of a `codebook_lut`."""
+    return lut[:16].float() + lut[16:].float()
+
+
+def _lut_ptr(lut: torch.Tensor | None) -> int | None:
+    if lut is None:
+        return None
+    if lut.shape != (32,) or lut.dtype != torch.bfloat16 or not lut.is_contiguous():
+        raise ValueError("a codebook must be bf16 [32] (codebook_lut), contiguous")
+    return lut.data_ptr()
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+            out_features: int, planes: int, lut: torch.Tensor | None = None,
+            tiles: bool = False) -> torch.Tensor:
+    """x @ W.T for a packed int4 weight (`CpuPackedWeight` layout); call `available()` first.
+    `tiles`: a prompt's rows, on AMX tiles where `gemm_available()` (groups of 32 without a
+    codebook), whatever `amx_enabled` says.
+
+    x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
+    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns,
+    or fp16 [in / gs, out_padded], the scales alone of a symmetric weight (`scales_layout`);
+    lut: None, or the `codebook_lut` of a codebook weight (weights v[c] s + z instead of
+    (c - 8) s + z) -> bf16 [M, out_features]."""
+    lib = cpu_native.library()
+    assert lib is not None, "native kernels are not available"
+    m, k, n_pad, layout = _matmul_operands("int4_mm", x, packed, scales_zeros, out_features,
+                                           planes)
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    fn = lib.int4_mm_tiles if tiles and cpu_native.gemm_available() else lib.int4_mm
+    if m and fn(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scales_zeros.data_ptr(),
+                out_features, n_pad, planes, y.data_ptr(), out_features, layout[0],
+                _lut_ptr(lut), int(layout[1])):
+        raise MemoryError("int4_mm: out of memory")
+    return y
+
+
+def _matmul_operands(name: str, x: torch.Tensor, packed: torch.Tensor,
+                     scales_zeros: torch.Tensor, out_features: int, planes: int,
+                     gated: bool = False) -> tuple[int, int, int, tuple[int, bool]]:
+    """(rows, in, out_padded, scales_layout) of a packed matmul's operands, or a ValueError."""
+    m, k = x.shape
+    n_pad = packed.shape[0]
+    layout = scales_layout(scales_zeros, planes * k, planes, n_pad)
+    if (x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.dtype != torch.uint8
+            or not packed.is_contiguous() or packed.shape[1] * 2 != planes * k or k % 32
+            or n_pad % TILE or layout is None or not 0 < out_features <= n_pad
+            or (gated and out_features % (2 * TILE))):
+        raise ValueError(f"{name}: bad operands x {tuple(x.shape)} {x.dtype}, packed "
+                         f"{tuple(packed.shape)}, scales {tuple(scales_zeros.shape)} "
+                         f"{scales_zeros.dtype}, planes {planes}, out {out_features}")
+    return m, k, n_pad, layout
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+              out_features: int, planes: int, lut: torch.Tensor | None = None,
+              gated: bool = False) -> torch.Tensor:
+    """x @ W.T over many rows on AMX tiles (check `gemm_available()`), with W's bf16 weights
+    those of `int4_dequant_t`; operands as for `int4_mm`. `gated`: W stacks gate and up
+    (out_features = 2 I, I a multiple of 64) and the result is silu(x Wg^T) * (x Wu^T),
+    bf16 [M, I]; else bf16 [M, out_features]."""
+    lib = cpu_native.library()
+    assert lib is not None and cpu_native.gemm_available(), "int4_gemm needs the kernels and AMX"
+    m, k, n_pad, layout = _matmul_operands("int4_gemm", x, packed, scales_zeros,
+                                           out_features, planes, gated)
+    n = out_features // 2 if gated else out_features
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m and lib.int4_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
+                           scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
+                           n, layout[0], _lut_ptr(lut), int(layout[1]), int(gated)):
+        raise MemoryError("int4_gemm: out of memory")
+    return y
+
+
+def int4_gemm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                  out_features: int, planes: int, lut: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """Plain-PyTorch reference of `int4_gemm`: bf16 weights, fp32 sums, bf16 products."""
+    wt = int4_dequant_t_ref(packed, scales_zeros, planes, lut)[:, :out_features]
+    y = (x.float() @ wt.float()).to(torch.bfloat16)
+    return silu_mul_ref(y) if gated else y
+
+
+def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
+                  ) -> tuple[int, bool] | None:
+    """(group size, half) of a packed weight's scales, or None when they fit neither form:
+    bf16 (scale, zero) pairs [K2 / gs, n_pad, 2] (half False), or the fp16 scales alone of a
+    symmetric weight, [K2 / planes / gs, n_pad] (half True: zeros implied, see cpu_int4.c)."""
+    half = scales.dtype == torch.float16
+    if not scales.is_contiguous() or scales.dim() != (2 if half else 3) or (
+            not half and (scales.dtype != torch.bfloat16 or scales.shape[2] != 2)):
+        return None
+    groups, k = scales.shape[0], k2 // planes if half else k2
+    gs = k // groups if groups and k % groups == 0 else 0
+    if gs not in GROUP_SIZES or scales.shape[1] != n_pad:
+        return None
+    return gs, half
+
+
+def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
+                   lut: torch.Tensor | None = None) -> torch.Tensor:
+    """W.T of a packed int4 weight in bf16, [in, out_padded] (padded rows are 0): for one dense
+    matmul over many rows. Planes are summed in fp32 and rounded once."""
+    lib = cpu_native.library()
+    assert lib is not None
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    layout = scales_layout(scales_zeros, k2, planes, n_pad) if planes in (1, 2) else None
+    if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
+            and layout is not None and k2 % (planes * 32) == 0):
+        raise ValueError("int4_dequant_t: bad operands")
+    k = k2 // planes
+    wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
+    lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
+                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]))
+    return wt
+
+
+def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
+                       lut: torch.Tensor | None = None) -> torch.Tensor:
+    k2 = packed.shape[1] * 2
+    w = _dequant_fp32(packed, scales_zeros, planes, lut)  # [n_pad, K2]
+    k = k2 // planes
+    return w.view(-1, planes, k).sum(dim=1).t().to(torch.bfloat16)  # planes summed in fp32
+
+
+def group_scales_zeros(scales_zeros: torch.Tensor, planes: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (scale, zero) [K2 / gs, n_pad] each of either scales form (`scales_layout`)."""
+    if scales_zeros.dtype != torch.float16:
+        sz = scales_zeros.float()
+        return sz[..., 0], sz[..., 1]
+    s = scales_zeros.float()  # [K / gs, n_pad]
+    if planes == 1:
+        return s, torch.zeros_like(s)
+    return torch.cat((16.0 * s, s)), torch.cat((torch.zeros_like(s), 8.0 * s))
+
+
+def _dequant_fp32(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
+                  lut: torch.Tensor | None = None) -> torch.Tensor:
+    """[n_pad, K2] fp32 weights of the packed layout, planes side by side."""
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    b = packed.view(n_pad // TILE, k2, TILE // 2)
+    codes = torch.stack((b & 15, b >> 4), dim=2)  # [tiles, K2, 2, 32]: rows 64t + 32h + j
+    codes = codes.permute(0, 2, 3, 1).reshape(n_pad, k2).float()
+    scale, zero = group_scales_zeros(scales_zeros, planes)  # [K2 / gs, n_pad]
+    gs = k2 // scale.shape[0]
+    values = codes - 8.0 if lut is None else lut_values(lut)[codes.long()]
+    return (values * scale.t().repeat_interleave(gs, dim=1)
+            + zero.t().repeat_interleave(gs, dim=1))
+
+
+def int4_mm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                out_features: int, planes: int, lut: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch reference of `int4_mm`: dequantize to fp32, multiply, round to bf16."""
+    w = _dequant_fp32(packed, scales_zeros, planes, lut)
+    xin = x.float() if planes == 1 else torch.cat([x.float()] * planes, dim=1)
+    return (xin @ w.t())[:, :out_features].to(torch.bfloat16)

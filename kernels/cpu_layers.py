@@ -1,0 +1,218 @@
+"""The whole decoder stack of a decode step in one call (`cpu_layers.c`): `DecoderStack`
+describes a model's layers to `decode_layers` once (ctypes structs pointing at the weights),
+then runs each step; `DecoderStack.run_ref` is its plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from localllm.kernels import cpu_native
+from localllm.kernels.cpu_int4 import TILE, _lut_ptr, int4_mm_ref, scales_layout
+from localllm.kernels.cpu_ops import (
+    decode_attention_ref,
+    decode_attention_supported,
+    kv_store_ref,
+    rms_norm_ref,
+    rope_ref,
+    silu_mul_ref,
+)
+
+GROUP = 32
+
+
+class _PackedWeight(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
+                ("out_features", ctypes.c_int64), ("out_padded", ctypes.c_int64),
+                ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64),
+                ("lut", ctypes.c_void_p), ("half_scales", ctypes.c_int64)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", _PackedWeight), ("o", _PackedWeight), ("gate_up", _PackedWeight),
+                ("down", _PackedWeight), ("k_pool", ctypes.c_void_p),
+                ("v_pool", ctypes.c_void_p)]
+
+
+class _DecoderDims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_dim", "neox", "intermediate",
+        "block_size", "n_blocks")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """One packed int4 weight as `int4_mm` takes it."""
+    packed: torch.Tensor  # uint8 [out_padded, planes * in / 2]
+    # bf16 [planes * in / gs, out_padded, 2], or fp16 [in / gs, out_padded] (`scales_layout`)
+    scales_zeros: torch.Tensor
+    in_features: int
+    out_features: int
+    planes: int
+    group_size: int = GROUP
+    lut: torch.Tensor | None = None  # bf16 [32]: a codebook weight's `codebook_lut`
+
+    def check(self, name: str, in_features: int, out_features: int) -> None:
+        n_pad = self.packed.shape[0]
+        if not (self.in_features == in_features and self.out_features == out_features
+                and self.packed.dtype == torch.uint8 and self.packed.is_contiguous()
+                and n_pad % TILE == 0 and out_features <= n_pad and in_features % 32 == 0
+                and self.packed.shape[1] * 2 == self.planes * in_features
+                and scales_layout(self.scales_zeros, self.planes * in_features, self.planes,
+                                  n_pad) == (self.group_size, self.half_scales)):
+            raise ValueError(f"DecoderStack: {name} is not a packed [{out_features}, "
+                             f"{in_features}] weight")
+
+    def struct(self) -> _PackedWeight:
+        return _PackedWeight(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
+                             self.out_features, self.packed.shape[0], self.planes,
+                             self.group_size, _lut_ptr(self.lut), int(self.half_scales))
+
+    @property
+    def half_scales(self) -> bool:
+        return self.scales_zeros.dtype == torch.float16
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    input_norm: torch.Tensor  # bf16 [hidden]
+    post_norm: torch.Tensor  # bf16 [hidden]
+    qkv: PackedLinear  # [(num_heads + 2 num_kv_heads) head_dim, hidden]: q | k | v
+    o: PackedLinear  # [hidden, num_heads head_dim]
+    gate_up: PackedLinear  # [2 intermediate, hidden]: gate | up
+    down: PackedLinear  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class StackDims:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    neox: bool
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class DecoderStack:
+    """The decoder layers of a model, described once for `decode_layers` (which runs them all
+    for a decode step in one call). Holds references to every tensor it points at."""
+
+    def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor,
+                 dims: StackDims, max_rows: int) -> None:
+        # max_rows: the most sequences one call takes
+        self.max_rows = max_rows
+        d = dims
+        if (not layers or d.num_heads % d.num_kv_heads
+                or not decode_attention_supported(d.num_heads, d.num_kv_heads, d.head_dim)
+                or d.rope_dim % 2 or d.rope_dim > d.head_dim):
+            raise ValueError("DecoderStack: unsupported dimensions")
+        for i, layer in enumerate(layers):
+            for norm in (layer.input_norm, layer.post_norm):
+                if norm.dtype != torch.bfloat16 or norm.shape != (d.hidden,) \
+                        or not norm.is_contiguous():
+                    raise ValueError(f"DecoderStack: layer {i}: bad norm weight")
+            layer.qkv.check(f"layer {i} qkv", d.hidden,
+                            (d.num_heads + 2 * d.num_kv_heads) * d.head_dim)
+            layer.o.check(f"layer {i} o", d.num_heads * d.head_dim, d.hidden)
+            layer.gate_up.check(f"layer {i} gate_up", d.hidden, 2 * d.intermediate)
+            layer.down.check(f"layer {i} down", d.intermediate, d.hidden)
+        if final_norm.dtype != torch.bfloat16 or final_norm.shape != (d.hidden,) \
+                or not final_norm.is_contiguous():
+            raise ValueError("DecoderStack: bad final norm weight")
+        self.layers, self.final_norm, self.dims = layers, final_norm, dims
+        self._structs = (_DecoderLayer * len(layers))(*[
+            _DecoderLayer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.struct(),
+                          l.o.struct(), l.gate_up.struct(), l.down.struct(), None, None)
+            for l in layers])
+        self._pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pool_key: tuple[int, ...] = ()
+        self._dims = _DecoderDims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.rope_dim,
+                                  int(d.neox), d.intermediate, 0, 0, d.eps, d.scale)
+
+    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        key = tuple(t.data_ptr() for kv in pools for t in kv)
+        if key == self._pool_key:
+            return
+        d = self.dims
+        if len(pools) != len(self.layers):
+            raise ValueError("DecoderStack: one K/V pool pair per layer expected")
+        shape = pools[0][0].shape
+        for k, v in pools:
+            if not (k.shape == v.shape == shape and len(shape) == 4
+                    and shape[2:] == (d.num_kv_heads, d.head_dim)
+                    and k.dtype == v.dtype == torch.bfloat16
+                    and k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("DecoderStack: bad K/V pools")
+        for s, (k, v) in zip(self._structs, pools):
+            s.k_pool, s.v_pool = k.data_ptr(), v.data_ptr()
+        self._dims.n_blocks, self._dims.block_size = shape[0], shape[1]
+        self._pools, self._pool_key = pools, key
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor,
+            pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+        """x: bf16 [M, hidden] embeddings of M sequences' next tokens -> final normalized
+        hidden states [M, hidden] (x itself, overwritten). positions, slots, context_lens:
+        int64 [M]; block_tables: int64 [M, width]; cos, sin: fp32 [rows, rope_dim / 2]."""
+        lib = cpu_native.library()
+        assert lib is not None
+        self._set_pools(pools)
+        m = x.shape[0]
+        i64 = torch.int64
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.dims.hidden and 0 < m <= self.max_rows
+                and positions.dtype == slots.dtype == context_lens.dtype == i64
+                and block_tables.dtype == i64 and block_tables.dim() == 2
+                and block_tables.shape[0] == m and block_tables.is_contiguous()
+                and positions.shape == slots.shape == context_lens.shape == (m,)
+                and positions.is_contiguous() and slots.is_contiguous()
+                and context_lens.is_contiguous()
+                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+                and cos.is_contiguous() and sin.is_contiguous()
+                and cos.shape[1] == self.dims.rope_dim // 2):
+            raise ValueError("DecoderStack.run: bad operands")
+        rc = lib.decode_layers(self._structs, len(self.layers), ctypes.byref(self._dims),
+                               self.final_norm.data_ptr(), x.data_ptr(), m,
+                               positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                               block_tables.shape[1], context_lens.data_ptr(), cos.data_ptr(),
+                               sin.data_ptr(), cos.shape[0])
+        if rc == -2:
+            raise MemoryError("decode_layers: out of memory")
+        if rc:
+            raise ValueError("decode_layers: a position, slot, block or context length is out "
+                             "of range")
+        return x
+
+    def run_ref(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Plain-PyTorch reference of `run` (returns a new tensor)."""
+        d, m = self.dims, x.shape[0]
+        head_dim = d.head_dim
+        q_end = d.num_heads * head_dim  # q | k | v along each row of the fused projection
+        k_end = (d.num_heads + d.num_kv_heads) * head_dim
+
+        def mm(w: PackedLinear, a: torch.Tensor) -> torch.Tensor:
+            return int4_mm_ref(a, w.packed, w.scales_zeros, w.out_features, w.planes, w.lut)
+
+        res = x.clone()
+        y = x
+        for i, (layer, (kp, vp)) in enumerate(zip(self.layers, pools)):
+            h = (rms_norm_ref(res, layer.input_norm, d.eps) if i == 0
+                 else rms_norm_ref(y, layer.input_norm, d.eps, res))
+            qkv = rope_ref(mm(layer.qkv, h), d.num_heads + d.num_kv_heads, head_dim, d.rope_dim,
+                           cos, sin, positions, d.neox)
+            kv_store_ref(qkv[:, q_end:k_end], qkv[:, k_end:], slots, kp, vp)
+            att = decode_attention_ref(qkv[:, :q_end].reshape(m, d.num_heads, head_dim), kp, vp,
+                                       block_tables, context_lens, d.scale)
+            h = rms_norm_ref(mm(layer.o, att.reshape(m, q_end)), layer.post_norm, d.eps, res)
+            y = mm(layer.down, silu_mul_ref(mm(layer.gate_up, h)))
+        return rms_norm_ref(y, self.final_norm, d.eps, res)

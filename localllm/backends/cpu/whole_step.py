@@ -1,0 +1,86 @@
+"""Decode steps through one native call for the whole decoder stack (`DecoderStack`).
+
+A step where every sequence has one new token, in bf16, with every projection held as a packed
+int4/int8 weight of this backend, no biases and no Q/K norms, skips the per-module Python path:
+`build` describes the model's layers (`DecoderLayout`) to the native kernel once, and the
+returned step runs each such step with one call. The kernel calls the same native functions as
+the per-op path, in the same order, so tokens come out identical either way (a step mixing
+prompts and decodes, or with more sequences than the stack takes, returns None: the per-op
+path runs it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.backends.cpu.attention import decode_batch
+from localllm.backends.cpu.dispatch import NATIVE_KERNEL_MAX_ROWS
+from localllm.backends.cpu.weights import CpuPackedWeight
+from localllm.kernels import cpu_layers, cpu_native
+from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.backend import WholeStep
+from localllm.layers.linear import LinearBase, QuantLinear
+from localllm.layers.stack import DecoderLayout
+
+
+def _packed(lin: LinearBase | None) -> cpu_layers.PackedLinear | None:
+    if (not isinstance(lin, QuantLinear) or lin.bias is not None
+            or not isinstance(lin.qweight, CpuPackedWeight)):
+        return None
+    q = lin.qweight
+    return cpu_layers.PackedLinear(q.packed, q.scales_zeros, q.in_features, q.out_features,
+                                   q.planes, q.group_size, q.lut)
+
+
+def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
+    """The layers as a `DecoderStack`, or None when a layer does not fit it."""
+    if layout.dtype != torch.bfloat16 or not cpu_native.available() or not layout.layers:
+        return None
+    layers = []
+    for layer in layout.layers:
+        parts = [_packed(layer.qkv), _packed(layer.o), _packed(layer.gate_up),
+                 _packed(layer.down)]
+        if layer.qk_norm or any(p is None for p in parts):
+            return None
+        qkv, o, gate_up, down = parts
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        layers.append(cpu_layers.StackLayer(layer.input_norm.weight.data,
+                                            layer.post_norm.weight.data,
+                                            qkv, o, gate_up, down))
+    eps = {layer.input_norm.eps for layer in layout.layers} | {
+        layer.post_norm.eps for layer in layout.layers} | {layout.final_norm.eps}
+    dims = cpu_layers.StackDims(layout.hidden_size, layout.num_heads, layout.num_kv_heads,
+                                layout.head_dim, layout.rope.rope_dim, layout.rope.neox,
+                                layout.intermediate_size, eps.pop(), layout.scale)
+    if eps:  # one epsilon for all norms
+        return None
+    try:  # DecoderStack checks the rest (head sizes the attention kernel takes, shapes)
+        # decoding rows take int4_mm in the per-op path at any count (`decode_rows`), so both
+        # paths agree up to the stack's limit
+        return cpu_layers.DecoderStack(layers, layout.final_norm.weight.data, dims,
+                                       NATIVE_KERNEL_MAX_ROWS)
+    except ValueError:
+        return None
+
+
+def build(layout: DecoderLayout) -> WholeStep | None:
+    """The whole-step fast path of the model `layout` describes, or None when it does not fit
+    the native stack (or the kernels do not run here)."""
+    stack = build_stack(layout)
+    if stack is None:
+        return None
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+             meta: AttentionMetadata) -> torch.Tensor | None:
+        # input_ids, positions: [num_seqs] -> final hidden states [num_seqs, hidden]
+        if input_ids.device.type != "cpu" or not cpu_native.available():
+            return None
+        batch = meta.plan(decode_batch)
+        if batch is None or batch.rows is not None or len(batch.seqs) > stack.max_rows:
+            return None
+        cos, sin = layout.rope.tables(max(meta.context_lens), positions.device)
+        x = layout.embed.embed(input_ids)
+        return stack.run(x, positions, meta.slot_mapping, batch.block_tables,
+                         batch.context_lens, [(c.k, c.v) for c in caches], cos, sin)
+
+    return step

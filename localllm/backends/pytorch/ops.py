@@ -1,0 +1,37 @@
+"""The small ops in PyTorch, on any device: RMSNorm (with the residual add), SiLU-and-mul,
+top-k and argmax over logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localllm.layers.activation import silu_and_mul
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., dim]
+    return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # x, residual: [num_tokens, dim]
+    residual = x + residual
+    return F.rms_norm(residual, (x.shape[-1],), weight, eps=eps), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_and_mul(gate, up)
+
+
+def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    # x: fp32 [rows, n] -> int64 [rows, k], largest first (ties in the order torch.topk likes)
+    return torch.topk(x, k, dim=-1).indices
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    # [num_seqs, vocab] fp32 -> [num_seqs] int64, the first index of each row's maximum
+    return logits.nan_to_num(float("-inf")).argmax(-1)

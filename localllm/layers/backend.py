@@ -1,0 +1,54 @@
+"""`Backend`: what the layers, the model runner and the sampler ask of a device.
+
+One backend is chosen at load (`localllm.backends.make_backend`, `--device auto|cpu|cuda`)
+and owns everything that differs by device: how quantized weights are packed at load and
+multiplied (`pack_linear`), the small fused ops, paged attention with its per-step metadata,
+KV pool allocation, and an optional whole-step fast path. Models only declare modules; layers
+call the backend they were built with; `ModelRunner` holds it. Implementations live in
+`localllm/backends/` (`pytorch/`: PyTorch ops on any device; `cpu/`: native C kernels with the
+PyTorch ops as fallback), the only code that imports kernels.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+
+from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.ops import LayerOps
+from localllm.layers.stack import DecoderLayout
+
+# one decode-only step of every layer: (input_ids, positions, caches, meta) -> final hidden
+# states [num_tokens, hidden], or None when this step is not one the fast path takes
+WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata],
+                     torch.Tensor | None]
+
+
+class Backend(LayerOps):
+    name: str  # as the load line prints it
+    device: torch.device
+
+    @abstractmethod
+    def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[KVCache]:
+        """One K and one V pool per layer, [num_blocks, block_size, num_kv_heads, head_dim];
+        unwritten slots read as 0."""
+
+    @abstractmethod
+    def kv_memory_available(self) -> int:
+        """Bytes of this device's memory free for a KV pool now."""
+
+    # ---------------------------------------------------------------- steps
+    @abstractmethod
+    def decoding_rows(self, n: int) -> AbstractContextManager[None]:
+        """Within this block the first `n` rows of the batch are decoding tokens (one per
+        sequence), which this backend may compute as it computes a lone row, so that a
+        request's tokens do not depend on what shares its step."""
+
+    @abstractmethod
+    def whole_step(self, layout: DecoderLayout) -> WholeStep | None:
+        """A fast path running decode-only steps of the model `layout` describes (built once,
+        after loading; the weights must not change after), or None."""
