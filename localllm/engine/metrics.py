@@ -3,18 +3,19 @@
 `EngineStats` is updated by the engine after each step. `engine_snapshot` turns it and the
 scheduler / block manager state into an immutable `EngineSnapshot`; `request_metrics` does the
 same for one request's `RequestTimes`. Snapshots are plain values, safe to hand to any thread.
+`engine_snapshot` reads any object with the `EngineParts` attributes (an `LLMEngine` has them),
+so this module does not import the engine.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
+from localllm.engine.block_manager import BlockManager
 from localllm.engine.request import RequestStatus, RequestTimes
-
-if TYPE_CHECKING:
-    from localllm.engine.engine import LLMEngine
+from localllm.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -61,7 +62,20 @@ class EngineSnapshot:
         return self.tokens / self.steps if self.steps else 0.0
 
 
-def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
+class EngineParts(Protocol):
+    """What `engine_snapshot` reads of an engine."""
+
+    @property
+    def bm(self) -> BlockManager: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+
+def engine_snapshot(engine: EngineParts) -> EngineSnapshot:
     """Read on the thread that steps the engine (or while it is idle)."""
     bm, sched, st = engine.bm, engine.scheduler, engine.stats
     waiting = list(sched.waiting)

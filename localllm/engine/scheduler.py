@@ -90,8 +90,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            cached, hashes = self.bm.match_prefix(req.all_token_ids)
-            hit = len(cached) * self.bm.block_size
+            hits = self.bm.match_prefix(req.all_token_ids)
+            hit = hits.num_blocks * self.bm.block_size
             n = req.num_tokens - hit
             if not self.config.enable_chunked_prefill:
                 # a whole prompt at once; one larger than the budget runs alone in its step
@@ -99,7 +99,7 @@ class Scheduler:
                     break
             else:
                 n = min(n, budget)
-            if not self.bm.allocate(req, n, cached, hashes):
+            if not self.bm.allocate(req, n, hits):
                 break
             self.waiting.popleft()
             self.bm.record_prefix_lookup(req.num_tokens, hit)
