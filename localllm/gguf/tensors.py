@@ -9,6 +9,7 @@ import torch
 
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import TensorInfo
+from localllm.gguf.types import GGMLType
 
 _GLOBAL = {
     "token_embd.weight": "embed_tokens.weight",
@@ -43,10 +44,9 @@ def module_name(gguf_name: str) -> str | None:
 
 
 def qtype_name(qtype: int) -> str:
-    import gguf
-
+    """The GGML name of a type id ("Q4_K"), or "unknown type N" for an id not in `GGMLType`."""
     try:
-        return gguf.GGMLQuantizationType(qtype).name
+        return GGMLType(qtype).name
     except ValueError:
         return f"unknown type {qtype}"
 
@@ -81,7 +81,7 @@ def _dequantize_gguf(info: TensorInfo, source: str) -> torch.Tensor:
             "corrupt or needs a newer localllm"
         ) from None
     try:
-        if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        if qt in (GGMLType.F32, GGMLType.F16):
             arr = np.asarray(info.data, dtype=np.float32)
         else:
             arr = gguf.quants.dequantize(info.data, qt)
