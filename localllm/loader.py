@@ -17,11 +17,12 @@ import torch
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize, module_name, qtype_name
+from localllm.gguf.tensors import module_name, qtype_name
 from localllm.layers.linear import Linear, quantized_cpu_supported
 from localllm.memory import glibc, release_free_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
+from localllm.quant.dequant import dequantize
 from localllm.quant.formats import Int4Weight, Int8Weight
 from localllm.quant.repack import DENSE_TYPES, repack
 from localllm.text.tokenizer import Tokenizer

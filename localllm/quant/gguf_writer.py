@@ -27,8 +27,8 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize
 from localllm.gguf.types import GGMLType
+from localllm.quant.dequant import dequantize
 
 VT = gguf.GGUFValueType
 # target name -> (ggml type, LLAMA_FTYPE_MOSTLY_* value)

@@ -14,10 +14,9 @@ type_size] and uses only whole-array numpy operations, never a Python loop over 
 
 Types without a lossless mapping (IQ1_*, IQ2_*, IQ3_* lattice codebooks, TQ1_0/TQ2_0, MXFP4,
 NVFP4, the integer types, types unknown to this version) make `repack` return None instead of
-raising: the caller then falls back to dense dequantization
-(`localllm.gguf.tensors.dequantize`), and the loader warns once per type with what it costs, so
-a model with one odd tensor still loads. Malformed input (a byte count that does not match the
-shape) raises ValueError.
+raising: the caller then falls back to dense dequantization (`localllm.quant.dequant`), and the
+loader warns once per type with what it costs, so a model with one odd tensor still loads.
+Malformed input (a byte count that does not match the shape) raises ValueError.
 
 A tensor with more than two dimensions is repacked as a matrix [prod(shape[:-1]), shape[-1]].
 """

@@ -37,9 +37,10 @@ from localllm.apps.cli import main as cli_main
 from localllm.engine.model_runner import prompt_logits
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize, module_name, qtype_name
+from localllm.gguf.tensors import module_name, qtype_name
 from localllm.gguf.types import GGML_TYPE_SIZES, GGMLType
 from localllm.loader import LoadedModel, load_gguf
+from localllm.quant.dequant import dequantize
 
 PROMPT = [BOS_ID, 5, 40, 261, VOCAB_SIZE - 1, 2, 100]
 
