@@ -6,8 +6,13 @@ import argparse
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:  # the functions below import them when called
+    from localllm.config import SamplingParams
+    from localllm.llm import LLM
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling(args: argparse.Namespace):  # -> SamplingParams
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from localllm.config import SamplingParams
 
     return SamplingParams(
@@ -79,7 +84,7 @@ def _sampling(args: argparse.Namespace):  # -> SamplingParams
     )
 
 
-def load_llm(args: argparse.Namespace, threads: int | None = None):  # -> LLM
+def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
     from localllm.config import CacheConfig, SchedulerConfig
     from localllm.llm import LLM
     from localllm.loader import stderr_progress

@@ -18,12 +18,13 @@ from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize, module_name, qtype_name
+from localllm.gguf.tensors import module_name, qtype_name
 from localllm.layers.backend import Backend
 from localllm.layers.linear import Linear, replace_module, row_source
 from localllm.memory import glibc, release_free_memory
 from localllm.models.llama import LlamaForCausalLM
 from localllm.models.registry import model_class
+from localllm.quant.dequant import dequantize
 from localllm.quant.formats import Int4Weight, Int8Weight
 from localllm.quant.repack import DENSE_TYPES, repack
 from localllm.text.tokenizer import Tokenizer

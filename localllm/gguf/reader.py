@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from localllm.errors import ModelLoadError
+from localllm.gguf.types import GGMLType
 from localllm.text.string_table import StringTable
 
 GGUF_MAGIC = b"GGUF"
@@ -34,14 +35,15 @@ _SCALARS: dict[int, tuple[str, Any]] = {  # value type -> (struct format, numpy 
     10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64),
 }
 _STRING, _ARRAY = 8, 9
-# ggml types stored as plain numbers rather than blocks
-_PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
-          27: np.int64, 28: np.float64}
+# ggml types viewed as numpy numbers rather than as rows of block bytes
+_PLAIN = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.I8: np.int8,
+          GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64,
+          GGMLType.F64: np.float64}
 
 
 class TensorInfo(NamedTuple):
     name: str
-    qtype: int  # gguf.GGMLQuantizationType value
+    qtype: GGMLType
     shape: tuple[int, ...]  # PyTorch order: [rows, cols] for a matrix (GGUF stores it reversed)
     data: np.ndarray  # memory-mapped: plain dtype, or uint8 [rows, bytes_per_row] when blocked
 
@@ -115,27 +117,6 @@ class _Cursor:
         raise _Corrupt(f"unknown metadata value type {vtype}")
 
 
-# ggml type id -> (values per block, bytes per block) of the types localllm repacks (ids and
-# sizes are fixed by the format); others are looked up in the `gguf` package, whose import
-# costs about 2 MB (it pulls in sentencepiece and yaml) that loading a common model skips
-BLOCK_LAYOUTS: dict[int, tuple[int, int]] = {
-    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84),
-    11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18),
-    23: (256, 136), 30: (1, 2),
-}
-
-
-def _block_layout(qtype: int) -> tuple[int, int]:
-    if qtype in BLOCK_LAYOUTS:
-        return BLOCK_LAYOUTS[qtype]
-    import gguf
-
-    try:
-        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-    except (ValueError, KeyError):
-        raise _Corrupt(f"unknown tensor type {qtype}") from None
-
-
 class GGUFFile:
     """A GGUF file opened read-only through a memory map.
 
@@ -187,14 +168,19 @@ class GGUFFile:
                 (sub,) = struct.unpack_from("<I", self._map, cur.pos)
             self.metadata[key] = cur.value(vtype)
             self.metadata_types[key] = (vtype, sub)
-        raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        raw: list[tuple[str, tuple[int, ...], GGMLType, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.take("<I")
             if n_dims > 8:
                 raise _Corrupt(f"tensor {name!r} claims {n_dims} dimensions")
             dims = tuple(cur.take("<Q") for _ in range(n_dims))
-            raw.append((name, dims, cur.take("<I"), cur.take("<Q")))
+            type_id = cur.take("<I")
+            try:
+                qtype = GGMLType(type_id)
+            except ValueError:
+                raise _Corrupt(f"unknown tensor type {type_id}") from None
+            raw.append((name, dims, qtype, cur.take("<Q")))
         align = self.metadata.get("general.alignment", 32)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or (
                 align & (align - 1)):
@@ -210,7 +196,7 @@ class GGUFFile:
                 dtype = np.dtype(_PLAIN[qtype]).newbyteorder("<")
                 nbytes, view_shape = n * dtype.itemsize, shape
             else:
-                block, type_size = _block_layout(qtype)
+                block, type_size = qtype.block_size, qtype.type_size
                 if dims and dims[0] % block:
                     raise _Corrupt(f"tensor {name!r} has rows of {dims[0]} values, not a "
                                    f"multiple of its block size {block}")

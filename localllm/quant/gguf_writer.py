@@ -27,15 +27,15 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.gguf.reader import GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize
+from localllm.gguf.types import GGMLType
+from localllm.quant.dequant import dequantize
 
-QT = gguf.GGMLQuantizationType
 VT = gguf.GGUFValueType
 # target name -> (ggml type, LLAMA_FTYPE_MOSTLY_* value)
-TARGETS: dict[str, tuple[QT, int]] = {
-    "q4_0": (QT.Q4_0, 2),
-    "q4_1": (QT.Q4_1, 3),
-    "q8_0": (QT.Q8_0, 7),
+TARGETS: dict[str, tuple[GGMLType, int]] = {
+    "q4_0": (GGMLType.Q4_0, 2),
+    "q4_1": (GGMLType.Q4_1, 3),
+    "q8_0": (GGMLType.Q8_0, 7),
 }
 QUANTIZATION_VERSION = 2
 HIGH_PRECISION = ("token_embd.weight", "output.weight")  # Q8_0 under a 4-bit target
@@ -59,7 +59,7 @@ class QuantizeResult(NamedTuple):
     kept_f32: list[str]  # matrices left F32 because their rows are not a multiple of 32
 
 
-def parse_target(name: str) -> tuple[QT, int]:
+def parse_target(name: str) -> tuple[GGMLType, int]:
     key = name.strip().lower()
     if key not in TARGETS:
         raise QuantizeError(f"unknown quantization type {name!r} (choose from "
@@ -72,28 +72,27 @@ def metadata_types(path: Path) -> dict[str, tuple[int, int | None]]:
     return GGUFFile(path).metadata_types
 
 
-def target_type(info: TensorInfo, target: QT) -> QT:
+def target_type(info: TensorInfo, target: GGMLType) -> GGMLType:
     """The type llama-quantize's rules give this tensor under `target`."""
     if len(info.shape) != 2 or info.shape[-1] % 32:
-        return QT.F32
-    if info.name in HIGH_PRECISION and target in (QT.Q4_0, QT.Q4_1):
-        return QT.Q8_0
+        return GGMLType.F32
+    if info.name in HIGH_PRECISION and target in (GGMLType.Q4_0, GGMLType.Q4_1):
+        return GGMLType.Q8_0
     return target
 
 
-def _convert(info: TensorInfo, qt: QT, source: str) -> np.ndarray:
+def _convert(info: TensorInfo, qt: GGMLType, source: str) -> np.ndarray:
     if info.qtype == qt:
         return np.ascontiguousarray(info.data)  # same type: the exact bytes
     w = dequantize(info, source).numpy()
-    if qt == QT.F32:
+    if qt == GGMLType.F32:
         return np.ascontiguousarray(w, dtype=np.float32)
-    return gguf.quants.quantize(w, qt)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType(qt))
 
 
-def _byte_size(info: TensorInfo, qt: QT) -> int:
-    block, type_size = gguf.GGML_QUANT_SIZES[qt]
+def _byte_size(info: TensorInfo, qt: GGMLType) -> int:
     n = int(np.prod(info.shape)) if info.shape else 1
-    return n // block * type_size
+    return n // qt.block_size * qt.type_size
 
 
 def copy_metadata(writer: gguf.GGUFWriter, gf: GGUFFile,
@@ -146,7 +145,8 @@ def quantize_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], type
         plan = [(info, target_type(info, target)) for info in gf]
         for info, qt in plan:  # PyTorch-order shapes: the writer reverses them
             writer.add_tensor_info(info.name, list(info.shape), np.dtype(np.float32),
-                                   _byte_size(info, qt), raw_dtype=qt)
+                                   _byte_size(info, qt),
+                                   raw_dtype=gguf.GGMLQuantizationType(qt))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -163,7 +163,7 @@ def quantize_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], type
         writer.close()
         tmp.unlink(missing_ok=True)
     kept = [info.name for info, qt in plan
-            if qt == QT.F32 and len(info.shape) == 2 and info.shape[-1] % 32]
+            if qt == GGMLType.F32 and len(info.shape) == 2 and info.shape[-1] % 32]
     return QuantizeResult(out, gf.file_size, out.stat().st_size, time.perf_counter() - t0,
                           {info.name: qt.name for info, qt in plan}, kept)
 

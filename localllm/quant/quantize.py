@@ -16,6 +16,7 @@ nearest-codebook rounding implemented here; both give the same codes except on e
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
@@ -72,7 +73,8 @@ def nf4_codebook() -> torch.Tensor:
     return torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
 
 
-def _bnb_functional():  # -> module | None
+def _bnb_functional() -> ModuleType | None:
+    """`bitsandbytes.functional`, or None where it is not installed or has no backend."""
     try:
         # bitsandbytes logs a warning about optional CPU kernels at import; keep it quiet
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

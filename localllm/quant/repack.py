@@ -8,16 +8,15 @@ K-quant scales (fp16 super-block scale x small integer sub-block scale) are mult
 fp32, where the product is exact. Offsets are stored already negated (`-dmin * m`), and
 `dequantize` uses gguf's operation order, so even the final rounding matches.
 
-Block layouts follow `gguf/quants.py` (one block = `block_size` values in `type_size` bytes);
-every function below sees all blocks at once as uint8 [rows, n_blocks, type_size] and uses only
-whole-array numpy operations, never a Python loop over blocks.
+Block layouts follow `gguf/quants.py` (one block = `block_size` values in `type_size` bytes,
+from `GGMLType`); every function below sees all blocks at once as uint8 [rows, n_blocks,
+type_size] and uses only whole-array numpy operations, never a Python loop over blocks.
 
 Types without a lossless mapping (IQ1_*, IQ2_*, IQ3_* lattice codebooks, TQ1_0/TQ2_0, MXFP4,
 NVFP4, the integer types, types unknown to this version) make `repack` return None instead of
-raising: the caller then falls back to dense dequantization (`localllm.gguf.tensors.dequantize`),
-and the loader warns once per type with what it costs, so a model with one odd tensor still
-loads. Malformed input (a byte count that
-does not match the shape) raises ValueError.
+raising: the caller then falls back to dense dequantization (`localllm.quant.dequant`), and the
+loader warns once per type with what it costs, so a model with one odd tensor still loads.
+Malformed input (a byte count that does not match the shape) raises ValueError.
 
 A tensor with more than two dimensions is repacked as a matrix [prod(shape[:-1]), shape[-1]].
 """
@@ -30,7 +29,8 @@ from math import prod
 import numpy as np
 import torch
 
-from localllm.gguf.reader import BLOCK_LAYOUTS, TensorInfo
+from localllm.gguf.reader import TensorInfo
+from localllm.gguf.types import GGMLType
 from localllm.quant.formats import IQ4_NL_CODEBOOK, Int4Weight, Int8Weight
 
 Repacked = Int4Weight | Int8Weight | torch.Tensor
@@ -207,33 +207,35 @@ def _iq4_xs(b: np.ndarray) -> Int4Weight:
     return _int4(_halves_to_pairs(b[..., 8:], 16), scale, None, 32, IQ4_NL_CODEBOOK)
 
 
-# ggml type id -> (values per block, bytes per block, repacker); ids are fixed by the format
-_Repacker = Callable[[np.ndarray], Int4Weight | Int8Weight]
-_REPACKERS: dict[int, _Repacker] = {
-    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k,
-    13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs,
+_INT4_REPACKERS: dict[GGMLType, Callable[[np.ndarray], Int4Weight]] = {
+    GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q2_K: _q2_k, GGMLType.Q3_K: _q3_k,
+    GGMLType.Q4_K: _q4_k, GGMLType.IQ4_NL: _iq4_nl, GGMLType.IQ4_XS: _iq4_xs,
 }
-_BLOCKED: dict[int, tuple[int, int, _Repacker]] = {
-    qtype: (*BLOCK_LAYOUTS[qtype], fn) for qtype, fn in _REPACKERS.items()
+_INT8_REPACKERS: dict[GGMLType, Callable[[np.ndarray], Int8Weight]] = {
+    GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1, GGMLType.Q8_0: _q8_0, GGMLType.Q5_K: _q5_k,
+    GGMLType.Q6_K: _q6_k,
 }
-_F32, _F16, _BF16 = 0, 1, 30
-INT4_TYPES = frozenset({2, 3, 10, 11, 12, 20, 23})
-INT8_TYPES = frozenset({6, 7, 8, 13, 14})
-DENSE_TYPES = frozenset({_F32, _F16, _BF16})
+# each repacker sees uint8 blocks [rows, n_blocks, type.type_size]
+_REPACKERS: dict[GGMLType, Callable[[np.ndarray], Int4Weight | Int8Weight]] = {
+    **_INT4_REPACKERS, **_INT8_REPACKERS,
+}
+INT4_TYPES = frozenset(_INT4_REPACKERS)
+INT8_TYPES = frozenset(_INT8_REPACKERS)
+DENSE_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
-def _dense(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+def _dense(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, ...]) -> torch.Tensor:
     n = prod(shape)
-    if qtype == _F32:
+    if qtype == GGMLType.F32:
         arr = np.asarray(raw).view(np.float32) if raw.dtype == np.uint8 else raw
     else:
         arr = np.asarray(raw).view(np.uint16) if raw.dtype != np.float16 else raw
     if arr.size != n:
         raise ValueError(f"{arr.size} values for shape {shape}")
     arr = np.array(arr.reshape(shape), copy=True)  # out of the read-only memory map
-    if qtype == _F32:
+    if qtype == GGMLType.F32:
         return torch.from_numpy(arr.astype(np.float32, copy=False))
-    if qtype == _F16:
+    if qtype == GGMLType.F16:
         return torch.from_numpy(arr.view(np.float16))
     return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
 
@@ -254,12 +256,16 @@ def repack(info_or_raw: TensorInfo | np.ndarray, qtype: int | None = None,
         raw = np.asarray(info_or_raw)
     if qtype is None or shape is None:
         raise ValueError("repack of raw data needs qtype and shape")
-    qtype, shape = int(qtype), tuple(int(s) for s in shape)
-    if qtype in DENSE_TYPES:
-        return _dense(raw, qtype, shape)
-    if qtype not in _BLOCKED or not shape:
+    try:
+        gtype = GGMLType(qtype)
+    except ValueError:  # a type unknown to this version
         return None
-    block, type_size, fn = _BLOCKED[qtype]
+    shape = tuple(int(s) for s in shape)
+    if gtype in DENSE_TYPES:
+        return _dense(raw, gtype, shape)
+    if gtype not in _REPACKERS or not shape:
+        return None
+    block, type_size, fn = gtype.block_size, gtype.type_size, _REPACKERS[gtype]
     cols = shape[-1]
     rows = prod(shape[:-1])
     if cols % block:

@@ -1,16 +1,32 @@
-"""Loading a Hugging Face tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
+"""Reading a Hugging Face tokenizer.json (+ tokenizer_config.json, generation_config.json)
+into the plain data `Tokenizer.from_tokenizer_json` builds a tokenizer from."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from localllm.errors import ModelLoadError
 from localllm.text import vocab as V
 
-if TYPE_CHECKING:
-    from localllm.text.tokenizer import Tokenizer
+
+class HFTokenizerData(NamedTuple):
+    """What a checkpoint folder says about its tokenizer (the `Tokenizer` arguments)."""
+
+    tokens: list[str]
+    attrs: list[int]  # vocab.NORMAL, CONTROL, ... per token
+    pieces: str  # "bytes" (GPT-2 byte table) | "spm" (U+2581 and <0xNN>)
+    special_ids: Mapping[str, int | None]  # bos, eos, unk, pad
+    stop_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+    chat_template: str | None
+    hf: Any  # tokenizers.Tokenizer encoding special-token text as plain text
+    hf_special: Any  # the same, parsing special tokens
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -47,7 +63,8 @@ def _components(node: Any) -> list[dict[str, Any]]:
     return [node, *(m for m in members if isinstance(m, dict))]
 
 
-def load_tokenizer_json(cls: type[Tokenizer], path: str | Path) -> Tokenizer:
+def read_tokenizer_json(path: str | Path) -> HFTokenizerData:
+    """A checkpoint folder's tokenizer (or a tokenizer.json file and the configs beside it)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     path = Path(path)
@@ -113,10 +130,9 @@ def load_tokenizer_json(cls: type[Tokenizer], path: str | Path) -> Tokenizer:
         or (d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never")
         for d in decoders
     )
-    return cls(
+    return HFTokenizerData(
         tokens,
         attrs,
-        kind="hf",
         pieces=pieces,
         special_ids=special_ids,
         stop_ids=stop_ids,

@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 
 from localllm.errors import ModelLoadError
 from localllm.text import vocab as V
+from localllm.text.hf_json import read_tokenizer_json
 from localllm.text.spm import spm_tokenize
 from localllm.text.string_table import StringTable, table_of
 
@@ -139,9 +140,13 @@ class Tokenizer:
     @classmethod
     def from_tokenizer_json(cls, path: str | Any) -> Tokenizer:
         """Build from a Hugging Face checkpoint folder (or its tokenizer.json file)."""
-        from localllm.text.hf_json import load_tokenizer_json
-
-        return load_tokenizer_json(cls, path)
+        d = read_tokenizer_json(path)
+        return cls(
+            d.tokens, d.attrs, kind="hf", pieces=d.pieces, special_ids=d.special_ids,
+            stop_ids=d.stop_ids, add_bos=d.add_bos, add_eos=d.add_eos,
+            add_space_prefix=d.add_space_prefix, clean_spaces=d.clean_spaces,
+            chat_template=d.chat_template, hf=d.hf, hf_special=d.hf_special,
+        )
 
     @property
     def vocab_size(self) -> int:

@@ -24,8 +24,8 @@ from llama_ref import _greedy, open_llama
 from localllm import LLM, SamplingParams
 from localllm.apps.cli import main
 from localllm.gguf.reader import GGUFFile
-from localllm.gguf.tensors import dequantize
 from localllm.quant import gguf_writer
+from localllm.quant.dequant import dequantize
 from localllm.quant.gguf_writer import copy_metadata, metadata_types
 
 TYPES = {"q8_0": (7, "Q8_0"), "q4_0": (2, "Q4_0"), "q4_1": (3, "Q4_1")}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import signal
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,10 +36,12 @@ from gguf_factory import (
 from localllm.apps.cli import main as cli_main
 from localllm.engine.model_runner import prompt_logits
 from localllm.errors import ModelLoadError
-from localllm.gguf.reader import BLOCK_LAYOUTS, GGUFFile, TensorInfo
-from localllm.gguf.tensors import dequantize, module_name
+from localllm.gguf.reader import GGUFFile, TensorInfo
+from localllm.gguf.tensors import module_name, qtype_name
+from localllm.gguf.types import GGML_TYPE_SIZES, GGMLType
 from localllm.layers.linear import QuantLinear
 from localllm.loader import LoadedModel, load_gguf
+from localllm.quant.dequant import dequantize
 
 PROMPT = [BOS_ID, 5, 40, 261, VOCAB_SIZE - 1, 2, 100]
 
@@ -108,9 +112,35 @@ def test_known_quantizable_types() -> None:
 
 
 def test_block_layouts_are_the_formats() -> None:
-    # the reader's own table (so that loading common types never imports the gguf package)
-    for qtype, layout in BLOCK_LAYOUTS.items():
+    # our own table (so that loading common types never imports the gguf package): the same
+    # ids, names and sizes as gguf's, and every type gguf knows
+    assert set(GGML_TYPE_SIZES) == set(GGMLType)
+    for qtype, layout in GGML_TYPE_SIZES.items():
         assert layout == gguf.GGML_QUANT_SIZES[QT(qtype)], QT(qtype).name
+        assert (qtype.block_size, qtype.type_size) == layout
+        assert qtype.name == QT(qtype).name
+    assert {int(t) for t in QT} == {int(t) for t in GGMLType}
+
+
+def test_loading_common_types_does_not_import_gguf(tmp_path: Path) -> None:
+    # the gguf package costs about 2 MB and 40 ms at import; a fresh process shows whether
+    # loading a K-quant / Q8_0 model (bf16 and fp32 compute) pulls it in
+    spec = ModelSpec(hidden=256, ffn=256, heads=4, kv_heads=2, qtype=QT.Q4_K,
+                     qtypes={"token_embd.weight": QT.Q8_0, "blk.0.ffn_down.weight": QT.Q6_K})
+    path = write_model(tmp_path / "common.gguf", spec).path
+    code = ("import sys, torch\n"
+            "from localllm.loader import load_gguf\n"
+            f"load_gguf({str(path)!r}, torch.bfloat16)\n"
+            f"load_gguf({str(path)!r}, torch.float32)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gguf'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_type_names() -> None:
+    assert qtype_name(GGMLType.Q4_K) == qtype_name(12) == "Q4_K"
+    assert qtype_name(99) == "unknown type 99"
 
 
 @pytest.mark.parametrize("qtype", DECODABLE, ids=lambda t: t.name)

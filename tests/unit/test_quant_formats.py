@@ -24,7 +24,7 @@ from localllm.quant.formats import (
     pack_nibbles,
     unpack_nibbles,
 )
-from localllm.quant.repack import _BLOCKED, DENSE_TYPES, INT4_TYPES, INT8_TYPES, repack
+from localllm.quant.repack import _REPACKERS, DENSE_TYPES, INT4_TYPES, INT8_TYPES, repack
 
 INT4 = [T.Q4_0, T.Q4_1, T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS]
 INT8 = [T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K]
@@ -109,8 +109,9 @@ def test_dense_types_keep_their_dtype(qtype: T) -> None:
 
 
 def test_type_tables_agree_with_gguf() -> None:
-    for qtype, (block, type_size, _fn) in _BLOCKED.items():
-        assert gguf.GGML_QUANT_SIZES[T(qtype)] == (block, type_size)
+    for qtype in _REPACKERS:
+        assert gguf.GGML_QUANT_SIZES[T(qtype)] == (qtype.block_size, qtype.type_size)
+    assert set(_REPACKERS) == INT4_TYPES | INT8_TYPES
     assert set(INT4) == {T(t) for t in INT4_TYPES}
     assert set(INT8) == {T(t) for t in INT8_TYPES}
     assert set(DENSE) == {T(t) for t in DENSE_TYPES}
