@@ -16,42 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
-void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
-              int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
-void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
-              int64_t ldo);
-int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
-         int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
-         const int64_t *pos, int neox);
-int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
-             const int64_t *slots, int64_t tokens, int64_t row, uint16_t *kpool,
-             uint16_t *vpool, int64_t n_slots);
-int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
-                     const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                     int64_t width, const int64_t *ctx, int64_t B, int64_t n_heads, int64_t n_kv,
-                     int64_t hd, int64_t block_size, float scale, uint16_t *out, int64_t ldo);
-
-typedef struct {
-    const uint8_t *packed; /* the int4 kernel's layout (cpu_int4.c) */
-    const uint16_t *sz;
-    int64_t out_features, out_padded, planes, group_size;
-    const uint16_t *lut; /* NULL, or the 16 bf16 values of a codebook weight */
-    int64_t half_scales; /* sz: fp16 scales alone (cpu_int4.c, `Scales`) */
-} PackedWeight;
-
-typedef struct {
-    const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
-    PackedWeight qkv, o, gate_up, down;
-    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][n_kv][head_dim] */
-} DecoderLayer;
-
-typedef struct {
-    int64_t hidden, n_heads, n_kv, head_dim, rot_dim, neox, intermediate, block_size, n_blocks;
-    float eps, scale;
-} DecoderDims;
+#include "cpu_kernels.h"
 
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* RMSNorm of each row of x (bf16 [rows][dim], row stride ldx) into out (stride ldo):
