@@ -50,7 +50,7 @@ void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const 
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo);
-int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
+int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t head_dim,
          int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
          const int64_t *pos, int neox);
 int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
@@ -58,8 +58,9 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
              uint16_t *vpool, int64_t n_slots);
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                     int64_t width, const int64_t *ctx, int64_t B, int64_t n_heads, int64_t n_kv,
-                     int64_t hd, int64_t block_size, float scale, uint16_t *out, int64_t ldo);
+                     int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                     uint16_t *out, int64_t ldo);
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx);
 
 /* ---- a whole decode step (cpu_layers.c) */
@@ -75,11 +76,12 @@ typedef struct {
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
     PackedWeight qkv, o, gate_up, down;
-    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][n_kv][head_dim] */
+    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][num_kv_heads][head_dim] */
 } DecoderLayer;
 
 typedef struct {
-    int64_t hidden, n_heads, n_kv, head_dim, rot_dim, neox, intermediate, block_size, n_blocks;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, rot_dim, neox, intermediate, block_size,
+        n_blocks;
     float eps, scale;
 } DecoderDims;
 
