@@ -16,42 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
-void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
-              int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
-void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
-              int64_t ldo);
-int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
-         int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
-         const int64_t *pos, int neox);
-int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
-             const int64_t *slots, int64_t tokens, int64_t row, uint16_t *kpool,
-             uint16_t *vpool, int64_t n_slots);
-int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
-                     const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                     int64_t width, const int64_t *ctx, int64_t B, int64_t n_heads, int64_t n_kv,
-                     int64_t hd, int64_t block_size, float scale, uint16_t *out, int64_t ldo);
-
-typedef struct {
-    const uint8_t *packed; /* the int4 kernel's layout (cpu_int4.c) */
-    const uint16_t *sz;
-    int64_t out_features, out_padded, planes, group_size;
-    const uint16_t *lut; /* NULL, or the 16 bf16 values of a codebook weight */
-    int64_t half_scales; /* sz: fp16 scales alone (cpu_int4.c, `Scales`) */
-} PackedWeight;
-
-typedef struct {
-    const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
-    PackedWeight qkv, o, gate_up, down;
-    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][n_kv][head_dim] */
-} DecoderLayer;
-
-typedef struct {
-    int64_t hidden, n_heads, n_kv, head_dim, rot_dim, neox, intermediate, block_size, n_blocks;
-    float eps, scale;
-} DecoderDims;
+#include "cpu_kernels.h"
 
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */
@@ -66,14 +31,16 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
                   const float *cos_t, const float *sin_t, int64_t table_rows) {
-    const int64_t H = d->hidden, hd = d->head_dim, nh = d->n_heads, nkv = d->n_kv;
-    const int64_t qkv_w = (nh + 2 * nkv) * hd, inter = d->intermediate;
-    const size_t per_row = (size_t)(3 * H + qkv_w + nh * hd + 3 * inter);
+    const int64_t H = d->hidden, head_dim = d->head_dim;
+    const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
+    const int64_t q_w = num_heads * head_dim, kv_w = num_kv_heads * head_dim;
+    const int64_t qkv_w = q_w + 2 * kv_w, inter = d->intermediate;
+    const size_t per_row = (size_t)(3 * H + qkv_w + q_w + 3 * inter);
     if (n_layers < 1) return -1;
     uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
     if (!buf) return -2;
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
-    uint16_t *att = qkv + M * qkv_w, *gu = att + M * nh * hd, *act = gu + M * 2 * inter;
+    uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
     int rc = 0;
     memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
     for (int64_t l = 0; l < n_layers && !rc; l++) {
@@ -83,16 +50,17 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
         else
             rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
         if ((rc = matmul(&L->qkv, h, M, H, qkv))) break;
-        if ((rc = rope(qkv, M, qkv_w, nh + nkv, hd, d->rot_dim, cos_t, sin_t, table_rows, pos,
-                       (int)d->neox)))
+        if ((rc = rope(qkv, M, qkv_w, num_heads + num_kv_heads, head_dim, d->rot_dim, cos_t,
+                       sin_t, table_rows, pos, (int)d->neox)))
             break;
-        if ((rc = kv_store(qkv + nh * hd, qkv_w, qkv + (nh + nkv) * hd, qkv_w, slots, M,
-                           nkv * hd, L->k_pool, L->v_pool, d->n_blocks * d->block_size)))
+        if ((rc = kv_store(qkv + q_w, qkv_w, qkv + q_w + kv_w, qkv_w, slots, M, kv_w, L->k_pool,
+                           L->v_pool, d->n_blocks * d->block_size)))
             break;
         if ((rc = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
-                                   ctx, M, nh, nkv, hd, d->block_size, d->scale, att, nh * hd)))
+                                   ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
+                                   d->scale, att, q_w)))
             break;
-        if ((rc = matmul(&L->o, att, M, nh * hd, y))) break;
+        if ((rc = matmul(&L->o, att, M, q_w, y))) break;
         rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
         if ((rc = matmul(&L->gate_up, h, M, H, gu))) break;
         silu_mul(gu, 2 * inter, M, inter, act, inter);

@@ -35,8 +35,10 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("localllm")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_int4.c", "cpu_ops.c", "cpu_layers.c"))
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
+SOURCES = tuple(Path(__file__).with_name(n) for n in (
+    "cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_amx.c", "cpu_int4_dequant.c", "cpu_ops.c",
+    "cpu_layers.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_int4.h", "cpu_simd.h"))
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # AMX is opt-in (LOCALLLM_AMX=1): it makes batched decode 1.5x faster, but a row's result

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* RMSNorm of each row of x (bf16 [rows][dim], row stride ldx) into out (stride ldo):
@@ -53,12 +54,12 @@ void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, 
     for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
 }
 
-/* Rotary embedding, in place, on the first `heads` heads of each token of x (bf16, token
+/* Rotary embedding, in place, on the first num_heads heads of each token of x (bf16, token
  * stride ldt, head stride head_dim): the first rot_dim dims of a head rotate by the angle of
  * its position; cos/sin: fp32 [positions][rot_dim / 2] (any scaling already applied).
  * neox: dims i and i + rot_dim/2 form a pair; otherwise dims 2i and 2i + 1 do.
  * Per pair (x1, x2): (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, each rounded once. */
-int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_dim,
+int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t head_dim,
          int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
          const int64_t *pos, int neox) {
     const int64_t half = rot_dim / 2;
@@ -68,7 +69,7 @@ int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t heads, int64_t head_d
 #pragma omp parallel for schedule(static) if (tokens >= 32)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_t + pos[t] * half, *s = sin_t + pos[t] * half;
-        for (int64_t h = 0; h < heads; h++) {
+        for (int64_t h = 0; h < num_heads; h++) {
             uint16_t *p = x + t * ldt + h * head_dim;
             for (int64_t i = 0; i < half; i += 16) {
                 const __mmask16 m = tail_mask(half - i);
@@ -115,18 +116,22 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
 }
 
 /* Decode attention over a paged KV cache: B sequences with one query token each.
- * q: bf16 [B][n_heads][hd] (token stride ldq); pools: bf16 [blocks][block_size][n_kv][hd];
+ * q: bf16 [B][num_heads][head_dim] (token stride ldq);
+ * pools: bf16 [blocks][block_size][num_kv_heads][head_dim];
  * tables: int64 [B][width]; ctx[b]: cached positions of sequence b (this step's included).
- * out: bf16 [B][n_heads][hd] (token stride ldo). Scores, softmax and the weighted sum are
- * fp32 (online softmax, one block of positions at a time); hd is a multiple of 16, <= 256.
+ * out: bf16 [B][num_heads][head_dim] (token stride ldo). Scores, softmax and the weighted sum
+ * are fp32 (online softmax, one block of positions at a time); head_dim is a multiple of 16,
+ * <= 256.
  * Returns -1, computing nothing, if a context length or block number is out of range. */
 #define MAX_GROUP 16
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                     int64_t width, const int64_t *ctx, int64_t B, int64_t n_heads, int64_t n_kv,
-                     int64_t hd, int64_t block_size, float scale, uint16_t *out, int64_t ldo) {
-    const int64_t group = n_heads / n_kv, nv = hd / 16, row = n_kv * hd;
-    if (group > MAX_GROUP || hd % 16 || hd > 256) return -1;
+                     int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                     uint16_t *out, int64_t ldo) {
+    const int64_t group = num_heads / num_kv_heads, nv = head_dim / 16;
+    const int64_t row = num_kv_heads * head_dim;
+    if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
         if (ctx[b] < 1 || ctx[b] > width * block_size) return -1;
@@ -134,13 +139,13 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
             if (tables[b * width + j] < 0 || tables[b * width + j] >= n_blocks) return -1;
         work += ctx[b];
     }
-#pragma omp parallel for schedule(dynamic, 1) if (work * n_heads * hd >= 65536)
-    for (int64_t task = 0; task < B * n_kv; task++) {
-        const int64_t b = task / n_kv, kh = task % n_kv;
+#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
+    for (int64_t task = 0; task < B * num_kv_heads; task++) {
+        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
         __m512 qv[MAX_GROUP][16], acc[MAX_GROUP][16];
         float mx[MAX_GROUP], den[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qh = q + b * ldq + (kh * group + g) * hd;
+            const uint16_t *qh = q + b * ldq + (kh * group + g) * head_dim;
             for (int64_t j = 0; j < nv; j++) {
                 qv[g][j] = _mm512_mul_ps(load_bf16(qh + 16 * j, 0xFFFF), _mm512_set1_ps(scale));
                 acc[g][j] = _mm512_setzero_ps();
@@ -154,8 +159,8 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
             const int64_t n = ctx[b] - start < block_size ? ctx[b] - start : block_size;
             for (int64_t c0 = 0; c0 < n; c0 += 64) {
                 const int64_t cn = n - c0 < 64 ? n - c0 : 64;
-                const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * hd;
-                const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * hd;
+                const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
+                const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
                 for (int64_t p = 0; p < cn; p++) {
                     __m512 kv[16];
                     for (int64_t j = 0; j < nv; j++) kv[j] = load_bf16(kb + p * row + 16 * j, 0xFFFF);
@@ -192,7 +197,7 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
             }
         }
         for (int64_t g = 0; g < group; g++) {
-            uint16_t *oh = out + b * ldo + (kh * group + g) * hd;
+            uint16_t *oh = out + b * ldo + (kh * group + g) * head_dim;
             const __m512 inv = _mm512_set1_ps(1.0f / den[g]);
             for (int64_t j = 0; j < nv; j++) store_bf16(oh + 16 * j, _mm512_mul_ps(acc[g][j], inv), 0xFFFF);
         }

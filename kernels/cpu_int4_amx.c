@@ -1,0 +1,246 @@
+/* The int4 matmuls on AMX tiles (Sapphire Rapids and later), layout and formula in cpu_int4.h:
+ * int4_mm's tile path and int4_gemm for a prompt's rows. The OS's permission to use the tiles
+ * is asked in cpu_int4.c (int4_gemm_ready).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_int4.h"
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
+
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+/* tmm0-3: C for the four 16-row blocks of a tile; tmm4: A (x); tmm5-7: B */
+static void amx_config(int64_t mr) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = i < 5 ? (uint8_t)mr : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* ---- int4_mm's path: the same sums as the AVX-512 path with tile matmuls ----
+ *
+ * Per 64-row tile and group of 32 columns (groups of 16 stay on AVX-512), the unpacked
+ * (k, k+1) pairs of four 16-row blocks are exactly four B tiles of TDPBF16PS (16 pair rows x
+ * 16 columns); x's rows for the group are the A tile; C (x rows x 16 fp32) = sum x (128 + c),
+ * then the same epilogue as the AVX-512 path. Each output element is summed within one tile op
+ * whatever the number of rows, so a row's result does not depend on its batch; once enabled,
+ * every call takes this path. */
+void int4_mm_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                 const Scales *sz, int64_t N, int64_t n_pad, int64_t groups, const float *xsum,
+                 uint16_t *y, int64_t ldy) {
+    const int64_t tiles = n_pad / TILE, tile_bytes = groups * GROUP * 32;
+#pragma omp parallel
+    {
+        uint16_t bt[4][16][32] __attribute__((aligned(64))); /* B tiles: [r][pair row][n, 2] */
+        float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
+        float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
+        int64_t configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile = packed + t * tile_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                if (mr != configured) {
+                    amx_config(mr);
+                    configured = mr;
+                }
+                memset(acc, 0, sizeof(float) * (size_t)(mr * TILE));
+                for (int64_t g = 0; g < groups; g++) {
+                    const uint8_t *p = tile + g * GROUP * 32;
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                    for (int kp = 0; kp < GROUP / 2; kp++) {
+                        if (kp % 2 == 0)
+                            _mm_prefetch((const char *)p + 64 * kp + PREFETCH_BYTES + 64,
+                                         _MM_HINT_T0);
+                        __m512i w[4];
+                        unpack_pairs(_mm512_loadu_si512(p + 64 * kp), w);
+                        for (int r = 0; r < 4; r++) _mm512_store_si512(bt[r][kp], w[r]);
+                    }
+                    const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_loadd(4, x + m0 * ldx + kx, ldx * 2);
+                    _tile_loadd(5, bt[0], 64);
+                    _tile_loadd(6, bt[1], 64);
+                    _tile_loadd(7, bt[2], 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, bt[3], 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_stored(0, ct[0], 64);
+                    _tile_stored(1, ct[1], 64);
+                    _tile_stored(2, ct[2], 64);
+                    _tile_stored(3, ct[3], 64);
+                    for (int r = 0; r < 4; r++) {
+                        __m512 zz; /* z - 136 s */
+                        const __m512 sc = group_scale(sz, g, t * TILE + 16 * r, 136.0f, &zz);
+                        for (int64_t m = 0; m < mr; m++) {
+                            __m512 a = _mm512_load_ps(acc[m] + 16 * r);
+                            a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][m]), a);
+                            a = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[(m0 + m) * groups + g]), a);
+                            _mm512_store_ps(acc[m] + 16 * r, a);
+                        }
+                    }
+                }
+                const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t m = 0; m < mr; m++)
+                    for (int64_t r = 0; r < rows; r += 16)
+                        store_floats_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+
+/* ---- int4_gemm: x @ W^T for a prompt's rows without a dequantized W^T ----
+ *
+ * Per 64-row weight tile, its bf16 weights -- the same values int4_dequant_t writes, rounded
+ * once -- go to a per-thread buffer in the pair layout TDPBF16PS takes as B (16 columns n by
+ * 16 pairs (k, k+1): bt[r][k / 2][n - 16 r][2], 72 KB for K = 576), and then every 16-row
+ * block of x runs the whole K against it: four C tiles of 16 x 16 fp32 sums, rounded to bf16
+ * once at the end. What this saves against dequantizing W^T and calling PyTorch's matmul is
+ * the W^T, the matmul library's reordered copy of it and, with `gated`, the [M, 2 I] gate/up
+ * product (7-8 MB at 512 tokens of the default model). A row's sums do not depend on the other
+ * rows of the batch. */
+
+/* tile t's weights in the pair layout above */
+static void tile_pairs(const uint8_t *packed, const Scales *sz, int64_t K, int64_t gs,
+                       int64_t planes, const uint16_t *lut, int64_t t, uint16_t *bt) {
+    /* vpermt2w indices: bf16 j of a goes to 2j, of b to 2j + 1 */
+    static const uint16_t inter_idx[32] __attribute__((aligned(64))) = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i idx = _mm512_load_si512(inter_idx);
+    const __m512 lutf = codebook_f32(lut);
+    const float bias = lut ? 0.0f : 8.0f;
+    const uint8_t *tile = packed + t * planes * K * 32;
+    for (int64_t g = 0; g < K / gs; g++) {
+        __m512 sc[2][4], zz[2][4], w0[4], w1[4];
+        tile_group_scales(sz, K, gs, planes, t, g, bias, sc, zz);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+            tile_column(tile, K, planes, k, lut, lutf, sc, zz, w0);
+            tile_column(tile, K, planes, k + 1, lut, lutf, sc, zz, w1);
+            for (int r = 0; r < 4; r++) {
+                const __m512i a = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w0[r]));
+                const __m512i b = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w1[r]));
+                _mm512_store_si512(bt + (r * (K / 2) + k / 2) * 32,
+                                   _mm512_permutex2var_epi16(a, idx, b));
+            }
+        }
+    }
+}
+
+/* ct[r][m][16] = sum_k x[m0 + m, k] w[16 r + j, k] for the mr (<= 16) rows of a block, all of
+ * K (a multiple of 32), against a tile's pair buffer. The tiles must be configured for mr. */
+static inline void tile_block(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *bt,
+                              float ct[4][AMX_ROWS][16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < K / 32; kc++) {
+        const uint16_t *b = bt + kc * 16 * 32;
+        _tile_loadd(4, x + kc * 32, ldx * 2);
+        _tile_loadd(5, b, 64);
+        _tile_loadd(6, b + (K / 2) * 32, 64);
+        _tile_loadd(7, b + 2 * (K / 2) * 32, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 3 * (K / 2) * 32, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, ct[0], 64);
+    _tile_stored(1, ct[1], 64);
+    _tile_stored(2, ct[2], 64);
+    _tile_stored(3, ct[3], 64);
+}
+
+/* rounds the 64 sums of row m of a block to bf16 at dst (n valid values) */
+static inline void store_block_row(float ct[4][AMX_ROWS][16], int64_t m, uint16_t *dst,
+                                   int64_t n) {
+    for (int r = 0; r < 4 && 16 * r < n; r++)
+        store_floats_bf16(ct[r][m], dst + 16 * r, n - 16 * r);
+}
+
+/* y = x @ W^T (bf16 [M][ldy], N columns) for a packed weight, or with `gated` (W stacks gate
+ * and up, N = 2 I rows, I a multiple of 64): y = silu(x Wg^T) * (x Wu^T), [M][ldy], I columns,
+ * each product rounded to bf16 before the activation as in silu_mul. Call int4_gemm_ready
+ * first. Returns 0, -1 if out of memory, -2 for another group size. */
+int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+              const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t gated) {
+    if (gs != 32 && gs != 16) return -2;
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
+    const int64_t inter = N / 2, units = gated ? inter / TILE : n_pad / TILE;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const size_t pair_bytes = sizeof(uint16_t) * (size_t)(K * TILE);
+        uint16_t *bt = aligned_alloc(64, pair_bytes * (gated ? 2 : 1));
+        /* gated: the tile's gate products in gu[m][0..63], up in gu[m][64..127], all rows */
+        uint16_t *gu = gated ? malloc(sizeof(uint16_t) * (size_t)(M * 2 * TILE)) : NULL;
+        float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
+        int64_t configured = 0;
+        if (!bt || (gated && !gu)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; u++) {
+                tile_pairs(packed, sz, K, gs, planes, lut, u, bt);
+                if (gated)
+                    tile_pairs(packed, sz, K, gs, planes, lut, inter / TILE + u,
+                               bt + pair_bytes / sizeof(uint16_t));
+                for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                    const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                    if (mr != configured) {
+                        amx_config(mr);
+                        configured = mr;
+                    }
+                    const uint16_t *xb = x + m0 * ldx;
+                    tile_block(xb, ldx, K, bt, ct);
+                    if (!gated) {
+                        const int64_t n0 = u * TILE, n = N - n0 < TILE ? N - n0 : TILE;
+                        for (int64_t m = 0; m < mr; m++)
+                            store_block_row(ct, m, y + (m0 + m) * ldy + n0, n);
+                        continue;
+                    }
+                    uint16_t *gm = gu + m0 * 2 * TILE;
+                    for (int64_t m = 0; m < mr; m++) store_block_row(ct, m, gm + m * 2 * TILE, TILE);
+                    tile_block(xb, ldx, K, bt + pair_bytes / sizeof(uint16_t), ct);
+                    for (int64_t m = 0; m < mr; m++)
+                        store_block_row(ct, m, gm + m * 2 * TILE + TILE, TILE);
+                }
+                /* the activation after the tile's AMX work: switching between tile and vector
+                 * code per 16-row block cost 20% more */
+                for (int64_t m = 0; gated && m < M; m++)
+                    silu_mul_row(gu + m * 2 * TILE, TILE, y + m * ldy + u * TILE);
+            }
+        }
+        if (configured) _tile_release();
+        free(bt);
+        free(gu);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,220 @@
+/* The few-rows path of int4_mm on AVX-512 BF16 (layout and formula: cpu_int4.h).
+ *
+ * One 64-byte load holds columns k and k+1 of a 64-row tile. Each nibble c becomes the bf16
+ * number 128 + c (bits 0x4300 | c: exact), laid out as (k, k+1) pairs per row, so that
+ * `vdpbf16ps` adds x[k] (128 + c[n,k]) + x[k+1] (128 + c[n,k+1]) into one fp32 lane per row.
+ * Per group of gs columns, with a = that sum and sx = sum of x:
+ *     sum_k x (c - 8) s + z x  =  s a + (z - 136 s) sx
+ * Products of bf16 numbers are exact in fp32; sums are fp32. Rows are split across OpenMP
+ * threads by tiles.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "cpu_int4.h"
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
+
+#define PREFETCH_GROUPS 4
+
+/* The same four vectors for a codebook weight: each code c becomes lut[c], a bf16 value, and
+ * with TERMS = 2 also wlo[r] = lut_lo[c] (the codebook's remainder); the epilogue adds no
+ * bias. */
+static inline __attribute__((always_inline)) void unpack_pairs_lut(
+    __m512i b, __m512i w[4], __m512i wlo[4], __m512i lut, __m512i lut_lo, const int TERMS) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
+    const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
+    const __m512i lo = _mm512_and_si512(b, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    /* 16-bit lanes holding the codes, then a 16-entry table lookup (vpermw) */
+    const __m512i c[4] = {_mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, lo),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, lo),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, hi),
+                          _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, hi)};
+    for (int r = 0; r < 4; r++) {
+        w[r] = _mm512_permutexvar_epi16(c[r], lut);
+        if (TERMS == 2) wlo[r] = _mm512_permutexvar_epi16(c[r], lut_lo);
+    }
+}
+
+/* USE_LUT: 0 plain codes, 1 a codebook exact in bf16, 2 a codebook in two bf16 terms */
+static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4], __m512i wlo[4],
+                                                         const int USE_LUT, __m512i lut,
+                                                         __m512i lut_lo) {
+    if (USE_LUT)
+        unpack_pairs_lut(b, w, wlo, lut, lut_lo, USE_LUT);
+    else
+        unpack_pairs(b, w);
+}
+
+/* NT consecutive 64-row tiles for MR rows of x (NT * MR <= 2: 16 accumulators and 16 sums
+ * fit the 32 vector registers). out[(i * MR + m) * 64 + row] gets tile i's rows for x row m,
+ * in fp32. Every (tile, row) pair is summed in the same order whatever NT and MR are, so a row
+ * of x gets the same result alone or in a batch. */
+static inline __attribute__((always_inline)) void tiles_rows(
+    const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0,
+    const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
+    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
+    for (int i = 0; i < NT; i++)
+        for (int m = 0; m < MR; m++)
+            for (int r = 0; r < 4; r++) y[i][m][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + PREFETCH_GROUPS < groups) {
+            for (int i = 0; i < NT; i++) {
+                const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0 + i * TILE);
+                for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+            }
+        }
+        __m512 a[2][2][4];
+        for (int i = 0; i < NT; i++)
+            for (int m = 0; m < MR; m++)
+                for (int r = 0; r < 4; r++) a[i][m][r] = _mm512_setzero_ps();
+        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+        for (int kp = 0; kp < GS / 2; kp++) {
+            int32_t pair[2];
+            for (int m = 0; m < MR; m++) __builtin_memcpy(&pair[m], x + m * ldx + kx + 2 * kp, 4);
+            for (int i = 0; i < NT; i++) {
+                const uint8_t *p = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i w[4], wlo[4];
+                unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
+                for (int m = 0; m < MR; m++) {
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
+                    for (int r = 0; r < 4; r++) {
+                        a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)w[r], xb);
+                        if (USE_LUT == 2)
+                            a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)wlo[r], xb);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < NT; i++) {
+            for (int r = 0; r < 4; r++) {
+                __m512 zz; /* z - 136 s */
+                const __m512 sc = group_scale(sz, g, row0 + i * TILE + 16 * r,
+                                              USE_LUT ? 0.0f : 136.0f, &zz);
+                for (int m = 0; m < MR; m++) {
+                    y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
+                    y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
+                                                 y[i][m][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int m = 0; m < MR; m++)
+            for (int r = 0; r < 4; r++)
+                _mm512_storeu_ps(out + (i * MR + m) * TILE + 16 * r, y[i][m][r]);
+}
+
+/* One 64-row tile for 4 rows of x: the same sums as tiles_rows, in the same order, with the
+ * 16 group sums in registers and the running outputs in out[m][64] (fp32) instead. */
+static inline __attribute__((always_inline)) void tile_rows4(
+    const uint8_t *tile, const Scales *sz, int64_t row0, const uint16_t *x,
+    int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
+    const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    for (int i = 0; i < 4 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + PREFETCH_GROUPS < groups) {
+            const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0);
+            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+        }
+        __m512 a[4][4];
+        for (int m = 0; m < 4; m++)
+            for (int r = 0; r < 4; r++) a[m][r] = _mm512_setzero_ps();
+        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+        for (int kp = 0; kp < GS / 2; kp++) {
+            const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512i w[4], wlo[4];
+            unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
+            for (int m = 0; m < 4; m++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, x + m * ldx + kx + 2 * kp, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int r = 0; r < 4; r++) {
+                    a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)w[r], xb);
+                    if (USE_LUT == 2)
+                        a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)wlo[r], xb);
+                }
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            __m512 zz; /* z - 136 s */
+            const __m512 sc = group_scale(sz, g, row0 + 16 * r, USE_LUT ? 0.0f : 136.0f, &zz);
+            for (int m = 0; m < 4; m++) {
+                float *o = out + m * TILE + 16 * r;
+                __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
+                y = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]), y);
+                _mm512_storeu_ps(o, y);
+            }
+        }
+    }
+}
+
+/* All tiles for the M rows of x, with groups of GS columns (operands of int4_mm_avx512). */
+static inline __attribute__((always_inline)) void tile_loop(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
+    /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
+     * more rows: one tile at a time, rows four (then two, one) at a time */
+    const int64_t step = M == 1 ? 2 : 1, units = (tiles + step - 1) / step;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        float out[4 * TILE];
+        const int64_t t = u * step, nt = tiles - t < step ? tiles - t : step;
+        const uint8_t *tile = packed + t * tile_bytes;
+        const int64_t row0 = t * TILE;
+        for (int64_t m = 0; m < M;) {
+            const int64_t mr = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+            const uint16_t *xm = x + m * ldx;
+            const float *xs = xsum + m * groups;
+            if (mr == 4)
+                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
+            else if (nt == 2)
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
+                           USE_LUT, lut, lut_lo);
+            else if (mr == 2)
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
+                           USE_LUT, lut, lut_lo);
+            else
+                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
+                           USE_LUT, lut, lut_lo);
+            /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t j = 0; j < mr; j++)
+                    for (int64_t r = 0; r < rows; r += 16)
+                        store_floats_bf16(out + (i * mr + j) * TILE + r,
+                                          y + (m + j) * ldy + n0 + r, rows - r);
+            }
+            m += mr;
+        }
+    }
+}
+
+void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
+                    uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut) {
+    const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
+    const __m512i lutlo = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut + 16) : _mm512_setzero_si512();
+    /* a codebook exact in bf16 (lo all zero: 0x0000 or 0x8000) takes one product per weight */
+    const int terms = !lut ? 0
+                      : _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) ? 2 : 1;
+    if (gs == 32 && terms == 0)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo);
+    else if (gs == 16 && terms == 0)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv, lutlo);
+    else if (gs == 32 && terms == 1)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv, lutlo);
+    else if (gs == 16 && terms == 1)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv, lutlo);
+    else if (gs == 32)
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 2, lutv, lutlo);
+    else
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 2, lutv, lutlo);
+}

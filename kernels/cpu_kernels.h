@@ -1,0 +1,93 @@
+/* The native CPU kernels' exported API: every function Python calls through ctypes
+ * (kernels/cpu_native.py, which restates these signatures and structs positionally) and every
+ * function one C file calls in another. bf16 and fp16 values travel as uint16_t.
+ *
+ * NOTE: the argument order and types here, and the structs' field order and types, are the
+ * library's ABI: change them only together with cpu_native.py. */
+#ifndef LOCALLLM_CPU_KERNELS_H
+#define LOCALLLM_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- int4 weight-only matmuls (cpu_int4*.c; the packed layout is described in cpu_int4.h) */
+
+/* y = x @ W^T, x: bf16 [M][ldx] (K used), y: bf16 [M][ldy] (N written); groups of gs = 32 or
+ * 16 columns; lut: NULL or a codebook's 32 bf16 values hi | lo; half_scales: sz holds fp16
+ * scales alone. Returns 0, -1 if out of memory, -2 for another group size. */
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
+
+/* int4_mm on AMX tiles for a prompt's rows, whatever int4_amx_enable says (groups of 32
+ * without a codebook; other weights take the AVX-512 path). Call int4_gemm_ready first. */
+int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                  const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
+
+/* Asks the OS for the AMX tile state once; returns whether tiles may be used at all. */
+int int4_gemm_ready(void);
+
+/* on = 1: decode batches of int4_mm on AMX tiles (if permitted); 0: off; -1: only ask.
+ * Returns whether they are on. */
+int int4_amx_enable(int on);
+
+/* y = x @ W^T on AMX tiles for many rows, or with `gated` silu(x Wg^T) * (x Wu^T); operands as
+ * for int4_mm. Call int4_gemm_ready first. Returns 0, -1 if out of memory, -2 for another
+ * group size. */
+int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+              const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t gated);
+
+/* W^T in bf16, wt: [K][n_pad], planes summed in fp32 and rounded once. */
+void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
+                    int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
+                    int64_t half_scales);
+
+/* ---- the small per-layer ops of a decode step (cpu_ops.c) */
+
+void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
+              int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo);
+void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
+              int64_t ldo);
+int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t head_dim,
+         int64_t rot_dim, const float *cos_t, const float *sin_t, int64_t table_rows,
+         const int64_t *pos, int neox);
+int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
+             const int64_t *slots, int64_t tokens, int64_t row, uint16_t *kpool,
+             uint16_t *vpool, int64_t n_slots);
+int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
+                     const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
+                     int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                     uint16_t *out, int64_t ldo);
+void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx);
+
+/* ---- a whole decode step (cpu_layers.c) */
+
+typedef struct {
+    const uint8_t *packed; /* the int4 kernels' layout (cpu_int4.h) */
+    const uint16_t *sz;
+    int64_t out_features, out_padded, planes, group_size;
+    const uint16_t *lut; /* NULL, or a codebook weight's 32 bf16 values hi | lo */
+    int64_t half_scales; /* sz: fp16 scales alone (cpu_int4.h, `Scales`) */
+} PackedWeight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
+    PackedWeight qkv, o, gate_up, down;
+    uint16_t *k_pool, *v_pool; /* bf16 [n_blocks][block_size][num_kv_heads][head_dim] */
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, rot_dim, neox, intermediate, block_size,
+        n_blocks;
+    float eps, scale;
+} DecoderDims;
+
+int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
+                  const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
+                  const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
+                  const float *cos_t, const float *sin_t, int64_t table_rows);
+
+#endif
