@@ -159,14 +159,6 @@ def test_default_package_without_the_file(tmp_path: Path,
     assert model_path.DEFAULT_PACKAGE not in sys.modules
 
 
-def test_installed_default_found_without_importing_it(smollm_path: Path) -> None:
-    # its __init__ needs the `llm` package, so finding the file must not import it
-    was_imported = model_path.DEFAULT_PACKAGE in sys.modules
-    assert default_model_path() == smollm_path
-    assert smollm_path.is_file() and smollm_path.name == model_path.DEFAULT_FILE
-    assert was_imported or model_path.DEFAULT_PACKAGE not in sys.modules
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="XDG_CONFIG_HOME is the Linux convention")
 def test_config_file_follows_xdg_config_home(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
