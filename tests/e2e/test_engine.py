@@ -1,7 +1,7 @@
 """The engine on real models: greedy outputs must not depend on batching, arrival times,
 chunked prefill, the prefix cache or preemption (fp32 compute), plus abort, over-long prompts
-and a failure confined to one request. bf16 batched-vs-alone divergence is measured, not
-asserted."""
+and a failure confined to one request; in bf16, greedy tokens of the default model must not
+depend on batching either."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from localllm import LLM, CacheConfig, RequestError, SamplingParams, SchedulerConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
+from localllm.kernels import cpu_native
 
 STORIES_TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -247,22 +248,26 @@ SMOLLM_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["stories", "smollm"])
-def test_bf16_batched_vs_alone_divergence(model: str, request: pytest.FixtureRequest) -> None:
-    """Not an equality check: bf16 sums depend on batch shape. Prints how many greedy
-    sequences diverge batched vs alone and the position of the first difference."""
-    path = request.getfixturevalue(f"{model}_path")
-    llm = make_llm(path, dtype="bfloat16")
-    if model == "stories":
-        jobs = stories_jobs(llm) * 2
-    else:
+# NOTE: not on the PyTorch-ops path ("pytorch"): there 2 of these 8 sequences differ from
+# their tokens alone (its decode logits move by up to 0.75 between steps of 1 and 2 rows,
+# outside the linear layers, whose rows are exact in any batch)
+@pytest.mark.parametrize("cpu_path", ["native", "native-dense"], indirect=True)
+def test_bf16_default_model_batched_matches_alone(smollm_path: Path, cpu_path: str) -> None:
+    """Without AMX decode (the default) a request's greedy bf16 tokens on the default model
+    are the same alone and in a batch with staggered arrivals. LOCALLLM_AMX=1 gives this up
+    for batch speed (`cpu_native.amx_enabled`), so the test turns it off where it is on."""
+    amx = cpu_native.amx_enabled()
+    if amx:
+        cpu_native.set_amx(False)
+    try:
+        llm = make_llm(smollm_path, dtype="bfloat16")
         jobs = [Job(llm.encode(t), 24, arrival_step=2 * i) for i, t in enumerate(SMOLLM_TEXTS)]
-    alone = run_alone(llm, jobs)
-    reqs = run_staggered(make_llm(path, dtype="bfloat16"), jobs)
-    first_diff = [next((k for k, (x, y) in enumerate(zip(r.output_ids, a)) if x != y), None)
-                  for r, a in zip(reqs, alone)]
-    differ = [k for k in first_diff if k is not None]
-    tokens = sum(len(a) for a in alone)
-    print(f"\nbf16 {model}: {len(differ)}/{len(jobs)} sequences differ batched vs alone "
-          f"(first differing token at {differ}); {tokens} tokens each way")
-    assert all(len(r.output_ids) == len(a) for r, a in zip(reqs, alone))
+        alone = run_alone(llm, jobs)
+        batched = make_llm(smollm_path, dtype="bfloat16")
+        reqs = run_staggered(batched, jobs)
+    finally:
+        if amx:
+            cpu_native.set_amx(True)
+    assert max(batched.engine.stats.tokens_per_step) > len(jobs)  # prompts beside decodes
+    for r, a, text in zip(reqs, alone, SMOLLM_TEXTS):
+        assert r.output_ids == a, text

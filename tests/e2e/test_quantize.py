@@ -23,7 +23,7 @@ from llama_ref import _greedy, open_llama
 
 from localllm import LLM, SamplingParams
 from localllm.apps.cli import main
-from localllm.gguf.reader import GGUFFile
+from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.quant import gguf_writer
 from localllm.quant.dequant import dequantize
 from localllm.quant.gguf_writer import copy_metadata, metadata_types
@@ -126,6 +126,24 @@ def test_stories_tensor_types_and_metadata(stories_path: Path, stories_out: dict
             assert got[t.name] == name, t.name
 
 
+def llama_cpp_type_differs(t: TensorInfo, qtype: str) -> bool:
+    """Whether llama.cpp's quantizer (llama-quant.cpp) stores tensor `t` of a file quantized
+    to `qtype` in another type than `localllm quantize` does: matrices with rows no 32-block
+    divides (it: F16, we: F32), `token_embd` under a 4-bit target (it: that type, we: Q8_0)
+    and `output` under a 4-bit target where 256-blocks divide its rows (it: Q6_K; with other
+    rows Q8_0, as ours)."""
+    if len(t.shape) != 2:
+        return False  # F32 in both
+    cols = t.shape[-1]
+    if cols % 32:
+        return True
+    if t.name == "token_embd.weight":
+        return qtype != "q8_0"
+    if t.name == "output.weight":
+        return qtype != "q8_0" and cols % 256 == 0
+    return False
+
+
 def test_stories_bytes_match_llama_quantize(stories_path: Path, stories_out: dict[str, Path],
                                             tmp_path: Path) -> None:
     """Every tensor llama.cpp's own quantizer puts in the same type has the same bytes."""
@@ -139,8 +157,7 @@ def test_stories_bytes_match_llama_quantize(stories_path: Path, stories_out: dic
         ref, ours = GGUFFile(ref_path), GGUFFile(stories_out[qtype])
         assert ref.metadata == ours.metadata
         same = [t.name for t in ref if t.qtype == ours.tensors[t.name].qtype]
-        # llama.cpp: ffn_down (172 columns) F16 instead of F32; token_embd at the 4-bit type
-        assert len(same) == (43 if qtype == "q8_0" else 42)
+        assert same == [t.name for t in ref if not llama_cpp_type_differs(t, qtype)]
         for name in same:
             assert ref.tensors[name].data.tobytes() == ours.tensors[name].data.tobytes(), name
 

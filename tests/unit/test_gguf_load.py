@@ -671,7 +671,14 @@ def test_types_without_a_packed_format_load_dense_with_one_warning(
     lines = [r.getMessage() for r in caplog.records if "IQ2_XS" in r.getMessage()]
     assert len(lines) == 1
     assert "have no packed format on the cpu backend: dequantized to bfloat16" in lines[0]
-    assert "(6.9x)" in lines[0]  # 16 bits a weight instead of 2.31
+    # what the file holds (the type's block bytes) against 2 bytes a weight in bf16
+    iq2 = [t for t in written.tensors.values() if t.qtype == QT.IQ2_XS]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[QT.IQ2_XS]
+    stored = sum(int(np.prod(t.shape)) // block * block_bytes for t in iq2)
+    dense = sum(int(np.prod(t.shape)) * 2 for t in iq2)
+    assert f"{len(iq2)} tensor(s) of type IQ2_XS" in lines[0]
+    assert (f"{dense / 2**20:.1f} MiB instead of {stored / 2**20:.1f} MiB "
+            f"({dense / stored:.1f}x)") in lines[0]
     assert not isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     caplog.clear()
     with caplog.at_level("WARNING", logger="localllm"):

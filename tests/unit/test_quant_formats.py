@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 import warnings
-from collections.abc import Iterator
 
 import gguf
 import gguf.quants as gq
@@ -15,8 +13,6 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localllm.gguf.reader import GGUFFile
-from localllm.model_path import default_model_path
 from localllm.quant.formats import (
     NF4_CODEBOOK,
     Int4Weight,
@@ -226,37 +222,3 @@ def test_formats_reject_bad_layouts() -> None:
         Int8Weight(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), torch.ones(2, 2), 32)
     with pytest.raises(ValueError, match="fp16 or fp32"):
         Int8Weight(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1).double(), None, 32)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # NOTE: on a loaded 2-core machine, 2 intra-op threads make the big dequantizations 10x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_default_model_repacks_losslessly() -> None:
-    path = default_model_path()
-    if path is None:
-        pytest.skip("default model package not installed")
-    f = GGUFFile(path)
-    start = time.perf_counter()
-    packed = {t.name: repack(t) for t in f}
-    elapsed = time.perf_counter() - start
-    print(f"repacked {len(packed)} tensors of {path.name} in {elapsed:.3f} s")
-    checked = 0
-    for t in f:
-        w = packed[t.name]
-        assert w is not None, t.name
-        if t.qtype in (T.Q4_1, T.Q8_0):
-            assert not isinstance(w, torch.Tensor)
-            ref = torch.from_numpy(np.array(gq.dequantize(t.data, T(t.qtype)), dtype=np.float32))
-            assert torch.equal(w.dequantize(), ref.view(t.shape)), t.name
-            checked += 1
-    assert checked > 0
-    assert elapsed < 5.0

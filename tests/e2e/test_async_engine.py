@@ -209,14 +209,33 @@ def test_shutdown_aborts_open_streams_and_refuses_new_ones(llm: LLM,
     assert llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks
 
 
-def test_idle_loop_sleeps(llm: LLM, engine: AsyncLLMEngine) -> None:
+def test_idle_loop_sleeps(llm: LLM, engine: AsyncLLMEngine,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # every turn of the loop calls engine.step(), also one that finds nothing to schedule
+    # (such a step records no stats): a sleeping loop makes no call while idle; in 0.5 s a
+    # loop that polls every 10 ms made 49, one that spins over 150,000
+    step = llm.engine.step
+    calls = {"n": 0}
+
+    def counted() -> list[RequestOutput]:
+        calls["n"] += 1
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", counted)
+
     async def main() -> None:
         await collect(engine, llm.encode(PROMPTS[0]), greedy(3))
 
     asyncio.run(main())
-    steps = engine.stats().steps
-    time.sleep(0.2)
-    assert engine.is_running and engine.stats().steps == steps
+    busy = calls["n"]
+    assert busy >= 3  # the loop steps through the counted method
+    time.sleep(0.5)
+    idle = calls["n"] - busy
+    assert engine.is_running
+    assert idle <= 1, f"the idle engine loop stepped {idle} times in 0.5 s"
+    # it wakes up for the next request
+    outs = asyncio.run(collect(engine, llm.encode(PROMPTS[1]), greedy(2)))
+    assert outs[-1].finished and calls["n"] > busy + idle
 
 
 def test_free_memory_is_returned_after_prompts_not_during_decode(
