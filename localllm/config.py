@@ -103,12 +103,12 @@ class ModelConfig:
             return value if kind is str else _number(value, kind, f"GGUF key {full!r}")
 
         hidden = get("embedding_length", required=True)
-        n_heads = get("attention.head_count", required=True)
-        if n_heads <= 0 or hidden <= 0:
-            raise ModelLoadError(f"GGUF metadata gives {n_heads} attention heads and hidden "
+        num_heads = get("attention.head_count", required=True)
+        if num_heads <= 0 or hidden <= 0:
+            raise ModelLoadError(f"GGUF metadata gives {num_heads} attention heads and hidden "
                                  f"size {hidden}; both must be positive")
-        n_kv = get("attention.head_count_kv", n_heads)
-        head_dim = get("attention.key_length", hidden // n_heads)
+        num_kv_heads = get("attention.head_count_kv", num_heads)
+        head_dim = get("attention.key_length", hidden // num_heads)
         vocab = get("vocab_size", None)
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
@@ -130,8 +130,8 @@ class ModelConfig:
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", required=True),
             num_layers=get("block_count", required=True),
-            num_heads=n_heads,
-            num_kv_heads=n_kv,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
             rope_theta=get("rope.freq_base", 10000.0, kind=float),
@@ -172,8 +172,8 @@ class ModelConfig:
         if act != "silu":
             raise ModelLoadError(f"config.json: activation {act!r} is not supported (only silu)")
         hidden = get("hidden_size")
-        n_heads = get("num_attention_heads")
-        head_dim = get("head_dim", hidden // n_heads if n_heads > 0 else 0)
+        num_heads = get("num_attention_heads")
+        head_dim = get("head_dim", hidden // num_heads if num_heads > 0 else 0)
         context = get("max_position_embeddings", 2048)
         window = cfg.get("sliding_window")
         if isinstance(window, int) and window > 0 and (arch == "mistral"
@@ -191,8 +191,8 @@ class ModelConfig:
             hidden_size=hidden,
             intermediate_size=get("intermediate_size"),
             num_layers=get("num_hidden_layers"),
-            num_heads=n_heads,
-            num_kv_heads=get("num_key_value_heads", n_heads),
+            num_heads=num_heads,
+            num_kv_heads=get("num_key_value_heads", num_heads),
             head_dim=head_dim,
             rms_norm_eps=get("rms_norm_eps", 1e-6, kind=float),
             rope_theta=float(theta),

@@ -84,8 +84,9 @@ def _bnb_functional() -> ModuleType | None:
     return bnb_f
 
 
-def nf4_codes_ref(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-PyTorch NF4: (codes uint8 [out, in], absmax fp32 [out, in / group])."""
+def nf4_codes_torch(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """NF4 in PyTorch, where bitsandbytes is absent: (codes uint8 [out, in], absmax fp32
+    [out, in / group])."""
     w = _check(w, group, "quantize_nf4")
     out, in_ = w.shape
     wg = w.view(out, in_ // group, group)
@@ -116,7 +117,7 @@ def quantize_nf4(w: torch.Tensor, group: int = 32, use_bnb: bool | None = None) 
     if use_bnb and bnb_f is None:
         raise RuntimeError("bitsandbytes is not installed or does not work here")
     codes, absmax = (_nf4_codes_bnb(bnb_f, w, group) if bnb_f is not None
-                     else nf4_codes_ref(w, group))
+                     else nf4_codes_torch(w, group))
     return Int4Weight(pack_nibbles(codes).contiguous(), absmax.contiguous(), None, group,
                       codebook=nf4_codebook())
 

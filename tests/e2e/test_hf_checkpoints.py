@@ -87,7 +87,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _hf(folder: Path):  # -> transformers model in fp32
+def _hf(folder: Path) -> torch.nn.Module:
+    """The transformers model of `folder`, in fp32."""
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 

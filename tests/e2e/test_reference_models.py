@@ -42,7 +42,8 @@ def ours_fp32(smollm_path: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm_path: Path):  # -> transformers model
+def hf_model(smollm_path: Path) -> torch.nn.Module:
+    """The default model through transformers (its GGUF loader), in fp32."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     return transformers.AutoModelForCausalLM.from_pretrained(
