@@ -9,7 +9,7 @@
  * for the integer IQ4 codebooks), so that hi + lo carries NF4's values to about 2^-17.
  *
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
- * localllm/layers/cpu_packed.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
+ * localllm/backends/cpu/packing.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
  * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row; or, for a
  * symmetric weight with fp16 scales (Q4_0, Q5_0, Q8_0, IQ4_NL), `half_scales` and sz is those

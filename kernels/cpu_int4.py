@@ -115,7 +115,7 @@ def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
                   ) -> tuple[int, bool] | None:
     """(group size, half) of a packed weight's scales, or None when they fit neither form:
     bf16 (scale, zero) pairs [K2 / gs, n_pad, 2] (half False), or the fp16 scales alone of a
-    symmetric weight, [K2 / planes / gs, n_pad] (half True: zeros implied, see cpu_int4.c)."""
+    symmetric weight, [K2 / planes / gs, n_pad] (half True: zeros implied, see cpu_int4.h)."""
     half = scales.dtype == torch.float16
     if not scales.is_contiguous() or scales.dim() != (2 if half else 3) or (
             not half and (scales.dtype != torch.bfloat16 or scales.shape[2] != 2)):

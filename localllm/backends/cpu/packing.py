@@ -10,7 +10,7 @@ nibble:
                                               [ c[64t+32+j, k] | c[64t+j, k] ]
 
 Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales), and so do
-groups of 16 (Q2_K, Q3_K, Q6_K), which only the native kernel (`kernels/cpu_int4.c`) runs:
+groups of 16 (Q2_K, Q3_K, Q6_K), which only the native kernel (`kernels/cpu_int4*.c`) runs:
 
     Int4Weight (one plane):  c = q,  zero = offset + 8 * scale  (offset = -8 * scale if none)
     Int8Weight (two planes): q = 16 * h + l with h = q >> 4 in -8..7 and l = q & 15 in 0..15;
