@@ -18,8 +18,8 @@ from localllm.backends.cpu.attention import CpuPagedAttention
 from localllm.backends.cpu.dispatch import decode_rows
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuInt8ChannelWeight, CpuPackedWeight
-from localllm.backends.pytorch.backend import TorchBackend, host_memory_available
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.backends.pytorch.backend import TorchBackend
+from localllm.layers.attention import KVCache
 from localllm.layers.backend import WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
@@ -34,6 +34,7 @@ class CpuBackend(TorchBackend):
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
         self._attention = CpuPagedAttention()
+        self._ops = ops
 
     def pack_linear(self, source: RowSource, out_features: int, dtype: torch.dtype,
                     exact_rows: bool) -> QuantWeight | None:
@@ -46,31 +47,6 @@ class CpuBackend(TorchBackend):
             return CpuInt8ChannelWeight(whole, dtype)
         return CpuPackedWeight.from_rows(source, out_features, dtype, exact_rows)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return ops.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm(x, residual, weight, eps)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul(gate_up)
-
-    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, rope_dim: int,
-              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-              neox: bool) -> bool:
-        return ops.rope_(x, heads, head_dim, rope_dim, cos, sin, positions, neox)
-
-    def top_k(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        return ops.top_k(x, k)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.argmax(x)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attention.forward(q, k, v, cache, meta, scale)
-
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int,
                     num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[KVCache]:
         # NOTE: the pools live in one anonymous memory map: the kernel hands out zeroed pages
@@ -82,9 +58,6 @@ class CpuBackend(TorchBackend):
         flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
         pools = flat.view(num_layers, 2, *shape)
         return [KVCache(pools[i, 0], pools[i, 1]) for i in range(num_layers)]
-
-    def kv_memory_available(self) -> int:
-        return host_memory_available()
 
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:
         return decode_rows(n)

@@ -39,31 +39,32 @@ class TorchBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._attention = TorchPagedAttention()
+        self._ops = ops  # the small ops, one module of functions (the CPU backend has its own)
 
     def pack_linear(self, source: RowSource, out_features: int, dtype: torch.dtype,
                     exact_rows: bool) -> QuantWeight | None:
         return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return ops.rms_norm(x, weight, eps)
+        return self._ops.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm(x, residual, weight, eps)
+        return self._ops.add_rms_norm(x, residual, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul(gate_up)
+        return self._ops.silu_mul(gate_up)
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, rope_dim: int,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               neox: bool) -> bool:
-        return False
+        return self._ops.rope_(x, heads, head_dim, rope_dim, cos, sin, positions, neox)
 
     def top_k(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        return ops.top_k(x, k)
+        return self._ops.top_k(x, k)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.argmax(x)
+        return self._ops.argmax(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The small ops in PyTorch, on any device: RMSNorm (with the residual add), SiLU-and-mul,
-top-k and argmax over logits."""
+top-k and argmax over logits (`localllm.backends.cpu.ops` has the same functions, native where
+the kernels run)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
     return silu_and_mul(gate, up)
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, rope_dim: int, cos: torch.Tensor,
+          sin: torch.Tensor, positions: torch.Tensor, neox: bool) -> bool:
+    # no fused rotation: the RoPE layer rotates with PyTorch ops itself
+    return False
 
 
 def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
