@@ -1,11 +1,21 @@
-"""Shared fixtures: paths of the real test models (skipping with a reason when absent)."""
+"""Shared fixtures: paths of the real test models (skipping with a reason when absent).
+
+Without a CUDA GPU, Triton kernels run under its interpreter on CPU tensors: TRITON_INTERPRET
+must be set before any kernel module is imported (triton.jit reads it then), so it is set here,
+before the test modules are collected.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from localllm.model_path import INSTALL_HINT, default_model_path
 
