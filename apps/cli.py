@@ -26,6 +26,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs: auto takes a CUDA GPU when PyTorch sees one, "
                    "else the CPU (default: auto)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
+                   help="how the model's ops run: cpu (native kernels, PyTorch fallback), "
+                   "triton (our Triton kernels; on the CPU only with TRITON_INTERPRET=1), torch "
+                   "(PyTorch ops); auto: cpu on the CPU, triton on CUDA (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length to serve (default: the model's)")
@@ -93,8 +97,10 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
     sched = SchedulerConfig(max_model_len=args.max_model_len)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
               num_threads=threads or args.threads, progress=stderr_progress("loading"),
-              quantize=args.quantize, device=args.device)
-    print(f"[{llm.path.name} on {llm.backend.name}: {llm.engine.kv_summary()}]",
+              quantize=args.quantize, device=args.device,
+              backend=args.backend)
+    print(f"[{llm.path.name}: {llm.backend.name} backend on {llm.backend.device.type}, "
+          f"{llm.engine.kv_summary()}]",
           file=sys.stderr)
     return llm
 

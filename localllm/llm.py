@@ -36,17 +36,19 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str = "bfloat16",
                  cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                  num_threads: int | None = None, progress: ProgressFn | None = None,
-                 quantize: str | None = None, device: str = "auto") -> None:
+                 quantize: str | None = None, device: str = "auto",
+                 backend: str = "auto") -> None:
         """`model`: a GGUF file or a Hugging Face checkpoint folder. `quantize` ("int8",
         "int4" or "nf4") quantizes a Hugging Face checkpoint's linear weights on load.
         `device`: "auto" (a CUDA GPU when PyTorch sees one, else the CPU), "cpu" or "cuda"
-        (an error without a GPU); it picks the backend (`localllm.backends`)."""
+        (an error without a GPU); `backend`: "auto", "cpu", "triton" or "torch" (see
+        `localllm.backends.make_backend`)."""
         if dtype not in DTYPES:
             raise RequestError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise RequestError(f"unknown quantization {quantize!r} (choose from "
                                f"{', '.join(QUANTIZE_MODES)})")
-        self.backend = make_backend(device)
+        self.backend = make_backend(device, backend)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.path = find_model(model)

@@ -88,7 +88,8 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns logits [num_sampling, vocab] fp32 and the sampling requests."""
+        """Run one step; returns logits [num_sampling, vocab] fp32 on the device and the
+        sampling requests."""
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.forward(input_ids, positions, meta)
         last: list[int] = []
@@ -100,9 +101,9 @@ class ModelRunner:
                 last.append(end - 1)
                 sampling.append(s.request)
         if not last:
-            return torch.empty(0, self.cfg.vocab_size), sampling
+            return torch.empty(0, self.cfg.vocab_size, device=self.device), sampling
         idx = torch.tensor(last, dtype=torch.long, device=self.device)
-        return self.logits(hidden[idx]).cpu(), sampling
+        return self.logits(hidden[idx]), sampling
 
 
 def prompt_logits(model: CausalLM, token_ids: list[int], block_size: int = 16,

@@ -2,6 +2,10 @@
 
 Order per row: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw. Each
 request draws from its own seeded generator, so its output does not depend on its batch.
+
+Logits stay on the backend's device: greedy rows take the device's argmax and only the ids come
+back; a draw with top-k copies back its k candidates (the rest of the filtering and the draw
+run on the CPU, with the request's generator); only a draw without top-k copies its row.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
     # logits: [vocab]; as in CTRL / transformers: divide positive logits, multiply negative ones
     if penalty == 1.0 or not token_ids:
         return logits
-    idx = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+    idx = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
     vals = logits[idx]
     logits = logits.clone()
     logits[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
@@ -76,7 +80,7 @@ class Sampler:
             # the whole vocabulary (top-p and min-p see the renormalized top-k mass either
             # way), at ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k)
             idx = self.backend.top_k(logits[None], top_k)[0]
-            kept = filter_logits(logits[idx], 0, top_p, min_p)
-            return int(idx[torch.multinomial(kept.softmax(-1), 1, generator=generator)])
-        row = filter_logits(logits, top_k, top_p, min_p)
+            kept = filter_logits(logits[idx].cpu(), 0, top_p, min_p)
+            return int(idx[int(torch.multinomial(kept.softmax(-1), 1, generator=generator))])
+        row = filter_logits(logits.cpu(), top_k, top_p, min_p)
         return int(torch.multinomial(row.softmax(-1), 1, generator=generator))

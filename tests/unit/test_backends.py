@@ -5,6 +5,8 @@ no import cycles)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,37 @@ def test_cuda_without_a_gpu_is_a_one_line_error(capsys: pytest.CaptureFixture[st
     rc = cli_main(["generate", "--model", str(model_file), "--device", "cuda", "Hello"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("localllm: error: --device cuda")
+
+
+def test_backend_names_pick_their_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(make_backend("cpu", "torch"), TorchBackend)
+    assert isinstance(make_backend("cpu", "cpu"), CpuBackend)
+    with pytest.raises(RequestError, match="unknown backend 'numpy'"):
+        make_backend("cpu", "numpy")
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(RequestError, match="triton is not installed"):
+            make_backend("cpu", "triton")
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RequestError, match="set TRITON_INTERPRET=1"):
+        make_backend("cpu", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = make_backend("cpu", "triton")
+    assert backend.name == "triton" and backend.device.type == "cpu"
+
+
+def test_triton_backend_on_a_quantized_model(model_file: Path) -> None:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it
+    ids = [1 + (5 * i) % 60 for i in range(12)]
+    exact = prompt_logits(load_gguf(model_file, torch.float32).model, ids)
+    model = load_gguf(model_file, torch.bfloat16, backend=make_backend("auto", "triton")).model
+    assert isinstance(model.layers[0].self_attn.o_proj, QuantLinear)
+    scale = float(exact.abs().max())
+    for chunk in (0, 1):  # one prompt (extend attention, GEMM), then decode steps (GEMV)
+        got = prompt_logits(model, ids, chunk=chunk)
+        assert float((got - exact).abs().max()) < 0.05 * scale
 
 
 def test_pytorch_backend_matches_the_cpu_backend(model_file: Path) -> None:
