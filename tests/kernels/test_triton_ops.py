@@ -72,6 +72,8 @@ def test_add_rms_norm(dtype: torch.dtype, t: int, d: int) -> None:
     torch.testing.assert_close(residual, want_res, rtol=0, atol=0)
     assert torch.equal(res_wide[:, d:], tail)
     _close(out, want_out)
+    # it normalizes the rounded sum, as rms_norm of the new residual does
+    assert torch.equal(out, ops.rms_norm(residual, w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
