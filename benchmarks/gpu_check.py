@@ -265,7 +265,6 @@ def main() -> int:
                     help="tiny shapes, no kernel tests, no end-to-end run (the CPU check)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the compiled kernel tests")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         print("gpu_check: no CUDA GPU here; run with --tiny (and TRITON_INTERPRET=1) for the "

@@ -14,11 +14,11 @@ pool[block_table[p // block_size], p % block_size]. Only block-table entries of 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from localllm.kernels.triton_common import INTERPRET
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 _SPLIT_TARGET = 256  # positions a split covers at least, when the split count is chosen
@@ -232,7 +232,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d, block_h, block_n = decode_tiles(head_dim, group)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = INTERPRET
     single = num_splits == 1
     if single:
         part_acc = part_lse = out  # unused

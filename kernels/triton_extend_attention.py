@@ -15,12 +15,11 @@ counting the bases <= its id.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from localllm.kernels.triton_common import INTERPRET
 from localllm.kernels.triton_decode_attention import check_out, check_paged_args
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -162,7 +161,7 @@ def paged_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = num_heads // num_kv_heads
     block_d, block_m, block_n, num_warps = extend_tiles(head_dim, group)
     tokens_per_tile = block_m // group
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = INTERPRET
     grid = (num_tokens // tokens_per_tile + num_seqs, num_kv_heads)
     _extend_kernel[grid](
         q, k_pool, v_pool, block_tables, query_start, context_lens, out,

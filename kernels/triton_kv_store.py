@@ -3,33 +3,14 @@ token's K and V rows go to the pool slot that `slot_mapping` gives it."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from localllm.kernels.triton_common import EMULATE_BF16, cast
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 4096  # heads x head_dim of one program
-
-
-# the Triton interpreter (set before import, as triton.jit reads it then) casts fp32 -> bf16 by
-# truncation (triton 3.9): under it, kernels round to nearest even with `cast`'s integer math
-EMULATE_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def cast(y, ty: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """y converted to dtype `ty`, rounded to nearest even (NaN stays NaN); with EMULATE_BF16
-    (the interpreter), a bf16 result is rounded with integer math."""
-    if EMULATE_BF16 and ty == tl.bfloat16:
-        f = y.to(tl.float32)
-        bits = f.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(f != f, f.to(tl.bfloat16), r)
-    else:
-        return y.to(ty)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.kernels.triton_kv_store import EMULATE_BF16, cast, kv_store, kv_store_ref
+from localllm.kernels.triton_common import EMULATE_BF16, cast
+from localllm.kernels.triton_kv_store import kv_store, kv_store_ref
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "kv_store", "kv_store_ref", "rms_norm",
            "rms_norm_ref", "rope_", "rope_ref", "silu_mul", "silu_mul_ref"]

@@ -31,12 +31,12 @@ and under the interpreter.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from localllm.kernels.triton_common import INTERPRET
 from localllm.kernels.triton_qmatmul_kernels import (
     dequantize_rows_kernel,
     qmatmul_kernel,
@@ -72,10 +72,6 @@ class QMatrix:
     def nbytes(self) -> int:
         ts = [self.qweight, self.scales, self.offsets, self.codebook]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pack(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -225,7 +221,7 @@ def qmatmul(x: torch.Tensor, w: QMatrix, bias: torch.Tensor | None = None, *,
             split_k = min(want, max(1, n_chunks // MIN_SPLIT_CHUNKS))
     per_split = triton.cdiv(n_chunks, max(1, min(split_k, n_chunks)))
     split = triton.cdiv(n_chunks, per_split)  # no empty split
-    interp = _interpreting()
+    interp = INTERPRET
     o = w.offsets if w.offsets is not None else w.scales
     cb = w.codebook if w.codebook is not None else w.scales
     b = bias if bias is not None else out

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from localllm.kernels.triton_common import cast
+
 
 @triton.jit
 def _values(q, s, o, cb_ptr, BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
@@ -57,20 +59,6 @@ def _accumulate(acc, x_ptr, stride_xm, offs_m, mask_m, k, K, w, USE_DOT: tl.cons
                      mask=mask_m[None, :] & (k < K)[:, None], other=0.0)  # [16, 1]
         acc += w * xt.to(tl.float32)
     return acc
-
-
-@triton.jit
-def store_cast(ptrs, y, mask, EMULATE_BF16: tl.constexpr):
-    """Stores fp32 y rounded to nearest even in the pointee dtype. EMULATE_BF16 (the triton
-    3.9 interpreter, whose fp32 -> bf16 cast truncates) rounds bf16 with integer math."""
-    ty = ptrs.dtype.element_ty
-    if EMULATE_BF16 and ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(ptrs, tl.where(y != y, y.to(tl.bfloat16), r), mask=mask)
-    else:
-        tl.store(ptrs, y.to(ty), mask=mask)
 
 
 @triton.jit
@@ -133,7 +121,7 @@ def qmatmul_kernel(x_ptr, stride_xm, q_ptr, s_ptr, o_ptr, cb_ptr, bias_ptr, out_
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        store_cast(ptrs, acc, mask, EMULATE_BF16)
+        tl.store(ptrs, cast(acc, ptrs.dtype.element_ty, EMULATE_BF16), mask=mask)
 
 
 @triton.jit
@@ -149,7 +137,8 @@ def splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, M, N, SPLIT,
         acc += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    store_cast(out_ptr + m * stride_om + offs_n, acc, mask_n, EMULATE_BF16)
+    ptrs = out_ptr + m * stride_om + offs_n
+    tl.store(ptrs, cast(acc, ptrs.dtype.element_ty, EMULATE_BF16), mask=mask_n)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ A new backend is a package here implementing `localllm.layers.backend.Backend`, 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -55,12 +56,14 @@ def make_backend(device: str = "auto", backend: str = "auto") -> Backend:
         if importlib.util.find_spec("triton") is None:
             raise RequestError("--backend triton: triton is not installed "
                                "(pip install 'triton>=3.6')")
+        # NOTE: checked before the kernels are imported: triton.jit decides then whether they
+        # are interpreted or compiled
+        if dev == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RequestError("--backend triton on the CPU runs only under Triton's "
+                               "interpreter: set TRITON_INTERPRET=1 (slow; for testing)")
         from localllm.backends.triton import TritonBackend
 
-        try:
-            return TritonBackend(torch.device(dev))
-        except ValueError as e:
-            raise RequestError(f"--backend triton: {e}") from None
+        return TritonBackend(torch.device(dev))
     from localllm.backends.pytorch.backend import TorchBackend
 
     return TorchBackend(torch.device(dev))

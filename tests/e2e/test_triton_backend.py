@@ -18,12 +18,13 @@ pytest.importorskip("triton")
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-def test_generate_prints_the_cpu_backends_greedy_text(stories_path: Path,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_prints_the_cpu_backends_greedy_text(stories_path: Path, dtype: str,
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
     texts = {}
     for backend in ("cpu", "triton"):
-        rc = cli_main(["generate", "--model", str(stories_path), "--dtype", "float32",
+        rc = cli_main(["generate", "--model", str(stories_path), "--dtype", dtype,
                        "--backend", backend, "--temperature", "0", "--max-tokens", "16",
                        "Once upon a time"])
         out = capsys.readouterr()
@@ -34,16 +35,17 @@ def test_generate_prints_the_cpu_backends_greedy_text(stories_path: Path,
 
 
 def test_cached_prefix_and_chunked_prompts_match_the_cpu_backend(stories_path: Path) -> None:
-    # 40 shared tokens: two full blocks of the second prompt come from the prefix cache; a
+    # 55 shared tokens: three full blocks of the second prompt come from the prefix cache; a
     # 24-token step budget splits the longer prompts into chunks
-    shared = "Once upon a time there was a little girl named Lily. She loved to play "
-    prompts = [shared + "outside in the sun.", shared + "with her dog Max.", "The cat sat"]
+    shared = ("Once upon a time there was a little girl named Lily. She loved to play outside "
+              "in the park with her friends. One day, she saw a big red ball under a tree. ")
+    prompts = [shared + "She ran to it.", shared + "It was shiny.", "The cat sat"]
     outs = {}
     for backend in ("cpu", "triton"):
         llm = LLM(stories_path, dtype="float32", backend=backend,
                   scheduler=SchedulerConfig(max_num_batched_tokens=24))
         first = llm.generate(prompts[0], GREEDY)
         rest = llm.generate(prompts[1:], GREEDY)
-        assert llm.engine.bm.prefix_hits >= 32  # the shared prefix's full blocks
+        assert llm.engine.bm.prefix_hits >= 48  # the shared prefix's full blocks
         outs[backend] = [c.token_ids for c in first + rest]
     assert outs["triton"] == outs["cpu"]

@@ -40,7 +40,7 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device) -> None:
         if device.type == "cpu" and not interpreting():
             raise ValueError("the Triton backend runs on the CPU only under Triton's "
-                             "interpreter: set TRITON_INTERPRET=1 (slow; for testing)")
+                             "interpreter (TRITON_INTERPRET=1)")
         super().__init__(device)
 
     def pack_linear(self, source: RowSource, out_features: int, dtype: torch.dtype,
