@@ -17,9 +17,9 @@ Sections (each timed with `triton.testing.do_bench` on a GPU, median ms):
 4. paged attention: decode over an 8k context (batch 1 and 8, 32 query / 8 KV heads, head_dim
    128) against SDPA on a contiguous cache; achieved bandwidth = K/V bytes read / time (target
    70% of copy bandwidth); extend (a 512-token chunk after 4k cached) against SDPA with a mask.
-5. end to end: the default model (when installed) and a synthetic 1B-shaped int4 model (random
-   weights, the default model's tokenizer): batch-1 and batch-8 decode tokens/s, prefill
-   tokens/s of a 512-token prompt, TTFT; batch-1 decode as a fraction of its bandwidth bound
+5. end to end: the default model (when installed; with and without CUDA graphs) and a synthetic
+   1B-shaped int4 model (random weights, the default model's tokenizer): batch-1 and batch-8
+   decode tokens/s, prefill tokens/s of a 512-token prompt, TTFT; batch-1 decode as a fraction of its bandwidth bound
    (copy bandwidth / bytes one step reads: every weight once, plus the K/V in use). Target 80%.
 """
 
@@ -311,6 +311,10 @@ def main() -> int:
 
             loaded = load_gguf(default, torch.bfloat16, backend=make_backend("cuda", "triton"))
             report["engine"].append(engine_rows(loaded, default.name, 512, 128, bw))
+            os.environ["LOCALLLM_CUDA_GRAPHS"] = "0"  # read when the engine's runner is built
+            report["engine"].append(engine_rows(loaded, default.name + " (no CUDA graphs)",
+                                                512, 128, bw))
+            del os.environ["LOCALLLM_CUDA_GRAPHS"]
             report["engine"].append(engine_rows(synthetic_model(SHAPES["1B"], device, default),
                                                 "synthetic 1B int4", 512, 128, bw))
         print(f"\n{'model':<34}{'tg@1':>8}{'tg@8':>8}{'pp512':>9}{'TTFT ms':>9}{'% bound':>9}")

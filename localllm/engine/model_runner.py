@@ -12,7 +12,7 @@ import torch
 from localllm.config import ModelConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
-from localllm.layers.attention import AttentionMetadata
+from localllm.layers.attention import AttentionMetadata, KVCache
 from localllm.layers.backend import WholeStep
 from localllm.models.registry import CausalLM
 
@@ -39,16 +39,21 @@ class ModelRunner:
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of one step."""
         if not self._whole_step_built:  # after loading, which must not change the weights
-            self._whole_step = self.backend.whole_step(self.model.decoder_layout())
+            self._whole_step = self.backend.whole_step(self.model.decoder_layout(),
+                                                       self._model_forward)
             self._whole_step_built = True
         if self._whole_step is not None:
             hidden = self._whole_step(input_ids, positions, self.kv_caches, meta)
-            if hidden is not None:  # a decode-only step, all layers in one call
+            if hidden is not None:  # a decode-only step through the backend's fast path
                 return hidden
+        return self._model_forward(input_ids, positions, self.kv_caches, meta)
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         # the scheduler puts decoding sequences first: their rows keep the few-rows kernels
         # even when a long prompt shares the step
         with self.backend.decoding_rows(meta.leading_decodes()):
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model(input_ids, positions, caches, meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_seqs, hidden] -> fp32 logits [num_seqs, vocab] on the device."""

@@ -37,6 +37,11 @@ class AttentionMetadata:
             self._plans[build] = build(self)
         return self._plans[build]  # type: ignore[return-value]
 
+    def seed_plan(self, build: Callable[[AttentionMetadata], T], plan: T) -> None:
+        """Fixes `build`'s plan for this metadata to `plan` (the static buffers of a captured
+        CUDA graph, whose values change between replays)."""
+        self._plans[build] = plan
+
     def decoding(self) -> list[int]:
         """The sequences with one query token."""
         return [i for i, qlen in enumerate(self.query_lens) if qlen == 1]

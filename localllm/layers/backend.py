@@ -21,8 +21,11 @@ from localllm.layers.attention import AttentionMetadata, KVCache
 from localllm.layers.ops import LayerOps
 from localllm.layers.stack import DecoderLayout
 
-# one decode-only step of every layer: (input_ids, positions, caches, meta) -> final hidden
-# states [num_tokens, hidden], or None when this step is not one the fast path takes
+# the model's own step: (input_ids, positions, caches, meta) -> final hidden states
+# [num_tokens, hidden]
+Forward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata],
+                   torch.Tensor]
+# a fast path for decode-only steps: the same, or None when this step is not one it takes
 WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata],
                      torch.Tensor | None]
 
@@ -49,6 +52,7 @@ class Backend(LayerOps):
         request's tokens do not depend on what shares its step."""
 
     @abstractmethod
-    def whole_step(self, layout: DecoderLayout) -> WholeStep | None:
-        """A fast path running decode-only steps of the model `layout` describes (built once,
-        after loading; the weights must not change after), or None."""
+    def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
+        """A fast path running decode-only steps of the model `layout` describes, whose own
+        step is `forward` (built once, after loading; the weights must not change after), or
+        None."""

@@ -121,6 +121,13 @@ class RotaryEmbedding(nn.Module):
         return self.backend.rope_(x, heads, head_dim, self.rope_dim, cos_t, sin_t, positions,
                                   self.neox)
 
+    def pin_tables(self, positions: torch.Tensor) -> None:
+        """Builds the tables for the whole context and takes them as covering `positions` from
+        now on: a static buffer whose values change between replays of a captured CUDA graph
+        (its maximum is then never read back from the device)."""
+        self.tables(self.max_positions, positions.device)
+        self._tables_positions = positions
+
     def _step_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`tables` reaching the step's last position; every layer of a step passes the same
         positions tensor, so its maximum is taken once per step."""

@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_factory import ModelSpec, write_model
 
+from localllm import LLM, SamplingParams
 from localllm.apps.cli import main as cli_main
 from localllm.backends import make_backend
 from localllm.backends.cpu import CpuBackend
@@ -184,3 +185,35 @@ def test_no_import_cycles() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def test_static_decode_step_matches_the_eager_step(model_file: Path) -> None:
+    # the buffers, padding and seeded metadata of the Triton backend's CUDA-graph step, run
+    # eagerly (capture=False): 3 sequences padded to 4, then 1 alone
+    pytest.importorskip("triton")
+    from localllm.backends.triton.graphs import StaticDecodeStep
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 17], [1, 7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                              16, 17, 18]]
+    outs = []
+    for static in (False, True):
+        llm = LLM(model_file, backend="triton", device="cpu")
+        runner = llm.engine.runner
+        if static:
+            step = StaticDecodeStep(llm.loaded.model.decoder_layout(), runner._model_forward,
+                                    capture=False)
+            calls: list[bool] = []
+
+            def counted(*args: object, step: StaticDecodeStep = step,
+                        calls: list[bool] = calls) -> object:
+                out = step(*args)  # type: ignore[arg-type]
+                calls.append(out is not None)
+                return out
+
+            runner._whole_step, runner._whole_step_built = counted, True
+        outs.append([c.token_ids for c in llm.generate(prompts, params)]
+                    + [llm.generate([prompts[0]], params)[0].token_ids])
+        if static:
+            assert sum(calls) >= 2 * (params.max_tokens - 1)  # the decode steps took it
+    assert outs[0] == outs[1]

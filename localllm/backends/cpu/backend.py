@@ -20,7 +20,7 @@ from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuInt8ChannelWeight, CpuPackedWeight
 from localllm.backends.pytorch.backend import TorchBackend
 from localllm.layers.attention import KVCache
-from localllm.layers.backend import WholeStep
+from localllm.layers.backend import Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
 from localllm.quant.formats import Int8Weight
@@ -62,5 +62,5 @@ class CpuBackend(TorchBackend):
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:
         return decode_rows(n)
 
-    def whole_step(self, layout: DecoderLayout) -> WholeStep | None:
+    def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         return whole_step.build(layout)

@@ -16,7 +16,7 @@ import torch
 from localllm.backends.pytorch import ops
 from localllm.backends.pytorch.attention import TorchPagedAttention
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import Backend, WholeStep
+from localllm.layers.backend import Backend, Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
 
@@ -85,5 +85,5 @@ class TorchBackend(Backend):
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def whole_step(self, layout: DecoderLayout) -> WholeStep | None:
+    def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         return None

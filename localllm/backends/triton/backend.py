@@ -10,6 +10,7 @@ TRITON_INTERPRET=1, on CPU tensors through Triton's interpreter (slow; for testi
   only the chosen ids (or a request's top-k candidates).
 - Attention: `attention.paged_attention` (the KV store, then paged decode or extend).
 - KV pools: zeroed on the device, sized from its free memory.
+- Decode-only steps of up to 16 sequences replay CUDA graphs on a GPU (`graphs.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import torch
 from localllm.backends.pytorch.backend import TorchBackend
 from localllm.backends.triton import weights
 from localllm.backends.triton.attention import paged_attention
+from localllm.backends.triton.graphs import StaticDecodeStep
 from localllm.kernels import triton_ops
 from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.backend import Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
+from localllm.layers.stack import DecoderLayout
 from localllm.quant.formats import Int4Weight
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -81,3 +85,10 @@ class TritonBackend(TorchBackend):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, cache, meta, scale)
+
+    def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
+        # CUDA graphs on a GPU (LOCALLLM_CUDA_GRAPHS=0 turns them off); none in the
+        # interpreter, where launches cost nothing next to the kernels
+        if self.device.type != "cuda" or os.environ.get("LOCALLLM_CUDA_GRAPHS", "1") == "0":
+            return None
+        return StaticDecodeStep(layout, forward, capture=True)
