@@ -19,8 +19,9 @@ Sections (each timed with `triton.testing.do_bench` on a GPU, median ms):
    70% of copy bandwidth); extend (a 512-token chunk after 4k cached) against SDPA with a mask.
 5. end to end: the default model (when installed; with and without CUDA graphs) and a synthetic
    1B-shaped int4 model (random weights, the default model's tokenizer): batch-1 and batch-8
-   decode tokens/s, prefill tokens/s of a 512-token prompt, TTFT; batch-1 decode as a fraction of its bandwidth bound
-   (copy bandwidth / bytes one step reads: every weight once, plus the K/V in use). Target 80%.
+   decode tokens/s, prefill tokens/s of a 512-token prompt, TTFT; batch-1 decode as a fraction
+   of its bandwidth bound (copy bandwidth / bytes one step reads: every weight once, plus the
+   K/V in use). Target 80%.
 """
 
 from __future__ import annotations
