@@ -217,3 +217,13 @@ def test_static_decode_step_matches_the_eager_step(model_file: Path) -> None:
         if static:
             assert sum(calls) >= 2 * (params.max_tokens - 1)  # the decode steps took it
     assert outs[0] == outs[1]
+
+
+def test_every_package_is_installed() -> None:
+    # a package missing from pyproject's list works in an editable install only
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found == listed
