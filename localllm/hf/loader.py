@@ -7,8 +7,9 @@ HF tensor names are localllm's module names with a `model.` prefix (`lm_head.wei
 
 `quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
 embedding or the LM head) on load, see `localllm.quant.quantize`. Where the backend has a
-packed form for the result (`Linear.pack`: on the CPU, int4 and NF4 groups of 32 and
-per-channel int8, with bf16 compute) it stays packed; otherwise, and for every weight with fp32
+packed form for the result (`Linear.pack`; with bf16 compute the CPU backend packs int4 in
+groups of 32, NF4 where its native kernels run, and per-channel int8; the Triton backend all
+three) it stays packed; otherwise, and for every weight with fp32
 compute, it is stored dequantized in the compute dtype: it carries the quantization error, not
 its memory savings. Bitsandbytes checkpoints are dequantized at load and, with `quantize`,
 quantized again.
