@@ -197,11 +197,11 @@ def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module,
     assert build_stack(m.decoder_layout()) is not None
     ids = [3 + (7 * i) % 50 for i in range(40)]
     backend = m.backend
-    built = backend.whole_step(m.decoder_layout())
+    built = backend.whole_step(m.decoder_layout(), m)  # the CPU's stack ignores `forward`
     assert built is not None
     calls = []
 
-    def counting_step(layout: object) -> object:
+    def counting_step(layout: object, forward: object) -> object:
         def step(*args: object) -> object:
             out = built(*args)  # type: ignore[arg-type]
             calls.append(out is not None)
@@ -211,7 +211,7 @@ def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module,
     monkeypatch.setattr(backend, "whole_step", counting_step)
     fused = prompt_logits(m, ids, chunk=1)  # decode steps: one native call each
     assert len(calls) == len(ids) and all(calls)  # every step took the native stack
-    monkeypatch.setattr(backend, "whole_step", lambda layout: None)  # the per-op path
+    monkeypatch.setattr(backend, "whole_step", lambda layout, forward: None)  # per-op path
     per_op = prompt_logits(m, ids, chunk=1)
     assert torch.equal(fused, per_op)
     prompt = prompt_logits(m, ids)  # one prompt: per-op, dense matmuls for many rows
