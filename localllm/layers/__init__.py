@@ -1,1 +1,2 @@
-"""Model building blocks: linear, attention, norm, rope, activation."""
+"""Device-neutral model building blocks (linear, attention metadata, norm, rope, activation)
+and the `Backend` interface they ask for every op."""
