@@ -1,13 +1,13 @@
 """`Backend`: what the layers, the model runner and the sampler ask of a device.
 
 One backend is chosen at load (`localllm.backends.make_backend`: `--device auto|cpu|cuda`,
-`--backend auto|cpu|triton|torch`) and owns everything that differs by device: how quantized weights are packed at load and
-multiplied (`pack_linear`), the small fused ops, paged attention with its per-step metadata,
-KV pool allocation, and an optional whole-step fast path. Models only declare modules; layers
-call the backend they were built with; `ModelRunner` holds it. Implementations live in
-`localllm/backends/` (`cpu/`: native C kernels with PyTorch ops as fallback; `triton/`: our
-Triton kernels; `pytorch/`: PyTorch ops on any device), the only code that imports kernels.
-The ops part, what layers call, is `localllm.layers.ops.LayerOps`.
+`--backend auto|cpu|triton|torch`) and owns everything that differs by device: how quantized
+weights are packed at load and multiplied (`pack_linear`), the small fused ops, paged attention
+with its per-step metadata, KV pool allocation, and an optional whole-step fast path. Models
+only declare modules; layers call the backend they were built with; `ModelRunner` holds it.
+Implementations live in `localllm/backends/` (`cpu/`: native C kernels with PyTorch ops as
+fallback; `triton/`: our Triton kernels; `pytorch/`: PyTorch ops on any device), the only code
+that imports kernels. The ops part, what layers call, is `localllm.layers.ops.LayerOps`.
 """
 
 from __future__ import annotations
