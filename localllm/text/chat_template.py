@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from localllm.errors import TemplateError
@@ -61,12 +62,15 @@ class ChatTemplate:
         self.source = source if source else CHATML_TEMPLATE
         self.bos_token = bos_token
         self.eos_token = eos_token
+        env = _environment()
         try:
-            self._template = _environment().from_string(self.source)
+            self._template = env.from_string(self.source)
+            names = jinja2.meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(
                 f"chat template error: {_one_line(e.message or str(e))} (line {e.lineno})"
             ) from None
+        self.takes_tools = "tools" in names or "custom_tools" in names
 
     def render(
         self,
