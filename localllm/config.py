@@ -13,6 +13,7 @@ from localllm.errors import ModelLoadError, RequestError
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MAX_LOGPROBS = 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -269,6 +270,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # with each sampled token: its log-probability and this many top
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -292,6 +294,8 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

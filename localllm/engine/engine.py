@@ -26,6 +26,15 @@ TRIM_AFTER_PROMPT_TOKENS = 256  # a step this large leaves workspace worth retur
 DEFAULT_KV_MEMORY = 1 << 30
 
 
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability under the model (before temperature and filters) and
+    the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
 class RequestOutput(NamedTuple):
     request_id: str
     text: str  # text completed since the previous output of this request
@@ -33,6 +42,9 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None
     error: str | None
+    # when the request asked for them: one entry per token of `token_ids` that is not a stop
+    # token hidden from the text
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class _TextState:
@@ -70,6 +82,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._texts: dict[str, _TextState] = {}
         self._requests: dict[str, Request] = {}
+        self._logprobs: dict[str, TokenLogprobs] = {}  # of the token each request just sampled
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._kv_bytes = num_blocks * per_block
@@ -81,21 +94,27 @@ class LLMEngine:
                 f"context {self.max_model_len}")
 
     # ----------------------------------------------------------------- requests in and out
-    def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        if not prompt_ids:
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise RequestError when `add_request` would refuse these prompt ids; thread-safe."""
+        n = len(prompt_ids)
+        if not n:
             raise RequestError("the prompt is empty; give at least one token of text")
-        if len(prompt_ids) >= self.max_model_len:
+        if n >= self.max_model_len:
             raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                f"{self.max_model_len}; shorten the prompt or raise --max-model-len")
-        if self.bm.blocks_needed(len(prompt_ids) + 1) > self.num_blocks:
+                f"the prompt has {n} tokens but the context holds {self.max_model_len} "
+                f"({n - self.max_model_len + 1} too many, leaving room for one new token); "
+                f"shorten the prompt or raise --max-model-len")
+        if self.bm.blocks_needed(n + 1) > self.num_blocks:
             raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only "
+                f"the prompt has {n} tokens but the KV cache holds only "
                 f"{self.num_blocks * self.block_size}; raise --kv-cache-memory")
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        self.check_prompt(prompt_ids)
         req = Request(prompt_ids, params, request_id)
         if req.request_id in self._requests:
             raise RequestError(f"request id {req.request_id!r} is already in use")
@@ -167,15 +186,36 @@ class LLMEngine:
         if not torch.isfinite(logits.gather(1, best[:, None])).all():
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling)
+        rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        if rows:
+            self._record_logprobs(logits, rows, sampling, tokens)
         return {r.request_id: t for r, t in zip(sampling, tokens)}
+
+    def _record_logprobs(self, logits: torch.Tensor, rows: list[int],
+                         sampling: list[Request], tokens: list[int]) -> None:
+        # logits: [num_seqs, vocab]
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [len(rows), vocab]
+        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
+        k = max(sampling[i].params.logprobs or 0 for i in rows)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        chosen_l, top_vl, top_il = chosen[:, 0].tolist(), top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            n = sampling[i].params.logprobs or 0
+            top = tuple(zip(top_il[j][:n], top_vl[j][:n]))
+            self._logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen_l[j], top)
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         st = self._texts[req.request_id]
         text = ""
         hit = False
+        wanted = req.params.logprobs is not None
+        logprobs: list[TokenLogprobs] | None = [] if wanted else None
+        lp = self._logprobs.pop(req.request_id, None) if wanted else None
         for t in new:
             if t in self.tokenizer.stop_ids and not req.params.ignore_eos:
                 continue
+            if logprobs is not None and lp is not None:
+                logprobs.append(lp)
             piece, hit = st.stops.feed(st.detok.add(t))
             text += piece
             if hit:
@@ -191,7 +231,8 @@ class LLMEngine:
             del self._texts[req.request_id]
             del self._requests[req.request_id]
         reason = req.finish_reason.value if req.finish_reason else None
-        return RequestOutput(req.request_id, text, new, req.is_finished, reason, req.error)
+        return RequestOutput(req.request_id, text, new, req.is_finished, reason, req.error,
+                             logprobs)
 
     def snapshot(self) -> EngineSnapshot:
         """Metrics of this moment; call on the stepping thread (AsyncLLMEngine.stats elsewhere)."""

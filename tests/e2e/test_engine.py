@@ -5,6 +5,7 @@ depend on batching either."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from localllm import LLM, CacheConfig, RequestError, SamplingParams, SchedulerConfig
+from localllm.engine.engine import TokenLogprobs
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
 from localllm.kernels import cpu_native
@@ -202,9 +204,45 @@ def test_prompt_longer_than_context_is_refused(stories: LLM) -> None:
     n = stories.engine.max_model_len
     with pytest.raises(RequestError, match=rf"prompt has {n + 5} tokens .* context holds {n}"):
         stories.engine.add_request([1] * (n + 5), SamplingParams())
+    with pytest.raises(RequestError, match=rf"\({n + 5 - n + 1} too many"):
+        stories.engine.check_prompt([1] * (n + 5))
     with pytest.raises(RequestError, match="prompt is empty"):
         stories.engine.add_request([], SamplingParams())
     assert not stories.engine.has_unfinished()
+
+
+def first_logprobs(llm: LLM, ids: list[int], params: SamplingParams) -> TokenLogprobs:
+    req = llm.engine.add_request(ids, params)
+    outs = []
+    while not req.is_finished:
+        outs += [o for o in llm.engine.step() if o.request_id == req.request_id]
+    assert outs[0].logprobs is not None
+    return outs[0].logprobs[0]
+
+
+def test_logprobs_are_the_models_distribution(stories: LLM) -> None:
+    """Each sampled token's log-probability and the top ones, as the model gives them before
+    temperature: the same when recomputed from the prefix alone, and under a high temperature."""
+    prompt = stories.encode(STORIES_TEXTS[0])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    req = stories.engine.add_request(prompt, params)
+    lps: list[TokenLogprobs] = []
+    while not req.is_finished:
+        for out in stories.engine.step():
+            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+            lps += out.logprobs
+    assert [lp.token_id for lp in lps] == req.output_ids
+    hot = SamplingParams(max_tokens=1, temperature=5.0, top_k=2, seed=0, logprobs=3)
+    for k, lp in enumerate(lps):
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the most likely
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert sum(math.exp(v) for _, v in lp.top) <= 1 + 1e-6
+        again = first_logprobs(stories, prompt + req.output_ids[:k], hot)
+        assert [i for i, _ in again.top] == [i for i, _ in lp.top]
+        assert [v for _, v in again.top] == pytest.approx([v for _, v in lp.top], abs=1e-4)
+    plain = stories.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert plain.token_ids == req.output_ids[:len(plain.token_ids)]
 
 
 def test_failure_in_one_request_ends_only_that_one(stories_path: Path,
