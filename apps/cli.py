@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
 
     from localllm.apps.quantize import add_parser
+    from localllm.apps.serve import add_parser as add_serve_parser
 
     add_parser(sub)
+    add_serve_parser(sub, _model_args)
     return parser
 
 
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.quantize import cmd_quantize
 
             return cmd_quantize(args)
+        if args.command == "serve":
+            from localllm.apps.serve import cmd_serve
+
+            return cmd_serve(args, load_llm)
         if args.command == "chat":
             import torch
 

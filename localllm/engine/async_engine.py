@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -97,7 +97,7 @@ class AsyncLLMEngine:
                 self._thread.start()
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request; the last has `finished` set. An invalid request
         raises RequestError here; a dead engine raises EngineDeadError."""
         rid = request_id if request_id is not None else f"async-{next(_ids)}"

@@ -1,0 +1,143 @@
+"""Routes that describe the server: `/health`, `/metrics`, OpenAI's `/v1/models`, Ollama's
+`/api/tags`, `/api/show`, `/api/ps`, `/api/version` (what Zed and Continue read to list the
+model, its context length and its capabilities)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from localllm.server.errors import parse_body
+from localllm.server.metrics import CONTENT_TYPE
+from localllm.server.ollama_schemas import ShowRequest
+from localllm.server.state import ServerState
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.serve  # type: ignore[no-any-return]
+
+
+def parameter_count(state: ServerState) -> int:
+    c = state.llm.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    layer += 2 * c.hidden_size + (q + 2 * kv if c.attn_bias else 0)
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return embed + c.num_layers * layer + c.hidden_size
+
+
+def _size_label(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _quantization(state: ServerState) -> str:
+    file_type = state.metadata.get("general.file_type")
+    if isinstance(file_type, int):
+        import gguf
+
+        try:
+            return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+        except ValueError:
+            pass
+    return "unknown"
+
+
+def _details(state: ServerState) -> dict[str, Any]:
+    arch = state.llm.config.arch
+    return {"parent_model": "", "format": "gguf" if state.llm.path.is_file() else "safetensors",
+            "family": arch, "families": [arch],
+            "parameter_size": _size_label(parameter_count(state)),
+            "quantization_level": _quantization(state)}
+
+
+def _modified(state: ServerState) -> str:
+    mtime = state.llm.path.stat().st_mtime
+    return datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ollama_name(state: ServerState) -> str:
+    return state.model_name if ":" in state.model_name else f"{state.model_name}:latest"
+
+
+def _size(state: ServerState) -> int:
+    p = state.llm.path
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir())
+
+
+def _entry(state: ServerState) -> dict[str, Any]:
+    return {"name": _ollama_name(state), "model": _ollama_name(state),
+            "modified_at": _modified(state), "size": _size(state),
+            "digest": state.llm.loaded.fingerprint, "details": _details(state)}
+
+
+async def health(request: Request) -> Response:
+    s = _state(request)
+    return JSONResponse({"status": "shutting down" if s.closing else "ok",
+                         "model": s.model_name}, 503 if s.closing else 200)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request) -> Response:
+    s = _state(request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "localllm"}]})
+
+
+async def model(request: Request) -> Response:
+    s = _state(request)
+    s.check_model(request.path_params["model"])
+    return JSONResponse({"id": s.model_name, "object": "model", "created": s.created,
+                         "owned_by": "localllm"})
+
+
+async def tags(request: Request) -> Response:
+    return JSONResponse({"models": [_entry(_state(request))]})
+
+
+async def ps(request: Request) -> Response:
+    entry = {**_entry(_state(request)), "expires_at": "9999-12-31T00:00:00Z", "size_vram": 0}
+    return JSONResponse({"models": [entry]})
+
+
+async def show(request: Request) -> Response:
+    s = _state(request)
+    body = await parse_body(request, ShowRequest)
+    s.check_model(body.model or body.name)
+    c = s.llm.config
+    arch = c.arch
+    info = {"general.architecture": arch, "general.name": c.name or s.model_name,
+            "general.parameter_count": parameter_count(s),
+            f"{arch}.context_length": s.max_model_len, f"{arch}.embedding_length": c.hidden_size,
+            f"{arch}.block_count": c.num_layers, f"{arch}.attention.head_count": c.num_heads,
+            f"{arch}.attention.head_count_kv": c.num_kv_heads}
+    capabilities = ["completion"]
+    if s.chat_template.takes_tools:
+        capabilities.append("tools")
+    if s.fim is not None:
+        capabilities.append("insert")
+    return JSONResponse({"modelfile": f"FROM {s.llm.path}\n", "parameters": "",
+                         "template": s.chat_template.source, "details": _details(s),
+                         "model_info": info, "capabilities": capabilities,
+                         "modified_at": _modified(s)})
+
+
+async def version(request: Request) -> Response:
+    try:
+        v = importlib_metadata.version("localllm")
+    except importlib_metadata.PackageNotFoundError:
+        v = "0.0.0"
+    return JSONResponse({"version": v})
+
+
+async def root(request: Request) -> Response:
+    return PlainTextResponse("localllm is running")
