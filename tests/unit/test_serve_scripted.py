@@ -1,0 +1,203 @@
+"""The server over a scripted engine (its outputs written here, not sampled), live on a Unix
+socket in this process: tool calls parsed from the output through both APIs, streamed and not;
+a request that fails in the engine answers alone with an error while the others finish; a
+shutdown ends an endless stream with "abort" and [DONE]. The model is a tiny synthetic GGUF
+(only its tokenizer is used) with the real Qwen2.5 chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gguf_factory import ModelSpec, write_model
+
+from localllm import LLM, SamplingParams
+from localllm.engine.engine import RequestOutput
+from localllm.engine.metrics import EngineSnapshot
+from localllm.server.runner import make_server
+from localllm.server.state import ServeOptions, ServerState
+from localllm.text.chat_template import ChatTemplate
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+TEMPLATE = TEMPLATES / "qwen2.5-instruct.jinja"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+SCRIPTS = {
+    "weather": ["Let me ", "check.", "\n<tool", "_call>\n{\"name\": \"get_", "weather\", ",
+                "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"],
+    "hello": ["Hel", "lo ", "there."],
+    "fail": ["Par", "tial"],
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {
+        "type": "string"}}}}}
+
+
+class ScriptedEngine:
+    """Answers from SCRIPTS by a keyword of the prompt; 'fail' ends in an engine error,
+    'forever' runs until aborted."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.aborted: set[str] = set()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        rid = request_id or "x"
+        text = self.llm.tokenizer.decode(prompt_ids)
+        key = next((k for k in ("weather", "fail", "forever") if k in text), "hello")
+        pieces = SCRIPTS.get(key, [])
+        for piece in pieces:
+            await asyncio.sleep(0.002)
+            yield RequestOutput(rid, piece, [5], False, None, None)
+        while key == "forever" and rid not in self.aborted:
+            await asyncio.sleep(0.005)
+            yield RequestOutput(rid, "la ", [5], False, None, None)
+        reason = {"fail": "error", "forever": "abort"}.get(key, "stop")
+        yield RequestOutput(rid, "", [], True, reason,
+                            "RuntimeError: boom" if key == "fail" else None)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def stats(self) -> EngineSnapshot:
+        return EngineSnapshot(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ScriptedEngine]]:
+    d = tmp_path_factory.mktemp("scripted")
+    write_model(d / "tiny.gguf", ModelSpec(keys={"llama.context_length": 4096}))  # tools fit
+    llm = LLM(d / "tiny.gguf", dtype="float32")
+    engine = ScriptedEngine(llm)
+    state = ServerState(llm, engine, "tiny", ServeOptions(shutdown_timeout=0.2),
+                        template=ChatTemplate(TEMPLATE.read_text()))
+    path = d / "s.sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    ready = threading.Event()
+    server = make_server(state, ready.set)
+    thread = threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield path, engine
+    server.should_exit = True
+    thread.join(30)
+
+
+def client(path: Path) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://x",
+                        timeout=30)
+
+
+def events(r: httpx.Response) -> list[Any]:
+    lines = [x.removeprefix("data: ") for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def ask(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def test_tool_calls_openai(served: tuple[Path, ScriptedEngine]) -> None:
+    with client(served[0]) as c:
+        whole = c.post("/v1/chat/completions", json=ask("weather?", tools=[WEATHER])).json()
+        r = c.post("/v1/chat/completions", json=ask("weather?", tools=[WEATHER], stream=True))
+        chunks = events(r)
+        plain = c.post("/v1/chat/completions", json=ask("weather?")).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(tc["index"], tc["function"]["name"]) for tc in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # without tools in the request the text comes back as it was written
+    assert plain["choices"][0]["message"]["content"] == "Let me check.\n" + CALL
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_calls_ollama(served: tuple[Path, ScriptedEngine]) -> None:
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER]}
+    with client(served[0]) as c:
+        whole = c.post("/api/chat", json={**body, "stream": False}).json()
+        lines = [json.loads(x) for x in c.post("/api/chat", json=body).iter_lines() if x]
+    assert whole["message"]["tool_calls"] == [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert whole["message"]["content"] == "Let me check." and whole["done"]
+    streamed = [tc for x in lines for tc in x["message"].get("tool_calls", [])]
+    assert streamed == whole["message"]["tool_calls"]
+    assert lines[-1]["done"] and not any(x["done"] for x in lines[:-1])
+
+
+def test_a_failed_request_answers_alone(served: tuple[Path, ScriptedEngine]) -> None:
+    async def main() -> list[httpx.Response]:
+        transport = httpx.AsyncHTTPTransport(uds=str(served[0]))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+            return list(await asyncio.gather(
+                c.post("/v1/chat/completions", json=ask("hello")),
+                c.post("/v1/chat/completions", json=ask("fail")),
+                c.post("/api/generate", json={"prompt": "fail", "stream": False}),
+                c.post("/v1/chat/completions", json=ask("hello"))))
+
+    ok, bad, bad_ollama, ok2 = asyncio.run(main())
+    assert bad.status_code == 500
+    assert bad.json()["error"]["message"] == "generation failed: RuntimeError: boom"
+    assert bad_ollama.status_code == 500 and "boom" in bad_ollama.json()["error"]
+    for r in (ok, ok2):
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == (
+            "Hello there.")
+    with client(served[0]) as c:
+        chunks = c.post("/v1/chat/completions", json=ask("fail", stream=True))
+        lines = [x for x in chunks.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == (
+        "generation failed: RuntimeError: boom")
+
+
+def test_shutdown_ends_open_streams_with_abort(tmp_path: Path) -> None:
+    write_model(tmp_path / "tiny.gguf")
+    llm = LLM(tmp_path / "tiny.gguf", dtype="float32")
+    engine = ScriptedEngine(llm)
+    state = ServerState(llm, engine, "tiny", ServeOptions(shutdown_timeout=0.3))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s.sock"))
+    ready = threading.Event()
+    server = make_server(state, ready.set)
+    thread = threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    got: list[Any] = []
+
+    def read() -> None:
+        with client(tmp_path / "s.sock") as c, c.stream(
+                "POST", "/v1/completions", json={"prompt": "forever", "stream": True}) as r:
+            got.extend(events(r))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not engine.aborted and not state.active:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    server.should_exit = True
+    reader.join(30)
+    thread.join(30)
+    assert got[-1]["choices"][0]["finish_reason"] == "abort"
+    assert len(engine.aborted) == 1 and time.monotonic() - t0 >= 0.3
+    assert not thread.is_alive()
