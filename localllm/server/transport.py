@@ -136,12 +136,15 @@ def tcp_listener(host: str, port: int, allow_remote: bool) -> Listener:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ServeError(f"cannot resolve --host {host}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
+    family, _, proto, _, addr = infos[0]
     ip = ipaddress.ip_address(addr[0])
     if not ip.is_loopback and not allow_remote:
         raise ServeError(f"--host {host} ({ip}) is not a loopback address: the API would be "
                          f"reachable from the network; pass --allow-remote to do that anyway")
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto must be IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
+    # on connections of such sockets, and with it on each streamed chunk after the first
+    # waits for the client's delayed ACK (40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)

@@ -106,3 +106,29 @@ def test_tcp_only_on_loopback_unless_allowed(tmp_path: Path) -> None:
             tcp_listener("127.0.0.1", port, allow_remote=False)
     finally:
         busy.sock.close()
+
+
+def test_tcp_connections_send_small_writes_at_once() -> None:
+    """asyncio turns Nagle's algorithm off only on IPPROTO_TCP sockets; with it on, every
+    streamed chunk after the first waited for the client's delayed ACK (40 ms)."""
+    import asyncio
+
+    lst = tcp_listener("127.0.0.1", 0, allow_remote=False)
+    nodelay: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            nodelay.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=lst.sock)
+        _, writer = await asyncio.open_connection(*lst.sock.getsockname()[:2])
+        while not nodelay:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert nodelay == [1]
