@@ -62,7 +62,7 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> tuple[list[list[i
         if body.suffix is not None:
             raise APIError(400, "suffix needs a text prompt, not token ids", "suffix")
         for x in ids:
-            state.check_prompt(x)
+            state.check_prompt(x, "prompt")
         return ids, [tok.decode(x) for x in ids]
     if body.suffix is not None:
         if state.fim is None:
@@ -98,7 +98,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
     prompts, texts = prompts_of(state, body)
     for ids in prompts:
-        state.check_prompt(ids)
+        state.check_prompt(ids, "prompt")
     log = access_log(request)
     log.update(prompt_tokens=sum(len(x) for x in prompts), prompt=texts)
     jobs: list[tuple[list[int], Any]] = []

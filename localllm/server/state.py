@@ -87,13 +87,15 @@ class ServerState:
         raise APIError(404, f"model '{name}' is not served here; this server serves "
                        f"'{self.model_name}' (see /v1/models)", param, "model_not_found")
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_prompt(self, prompt_ids: list[int], param: str = "messages") -> None:
+        """APIError 400 for a prompt the engine would refuse (empty, longer than the context,
+        ids outside the vocabulary); 503 once the server is shutting down."""
         if self.closing:
             raise APIError(503, "the server is shutting down")
         try:
             self.llm.engine.check_prompt(prompt_ids)
         except RequestError as e:
-            raise APIError(400, str(e), "messages", "context_length_exceeded") from None
+            raise APIError(400, str(e), param, "context_length_exceeded") from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         """The tokens to generate at most: as requested (1 to the context length; generation
