@@ -217,12 +217,13 @@ async def _stream(state: ServerState, ids: list[int], params: list[Any], meta: d
                 reason = out.finish_reason
                 if with_tools:
                     text, calls = parsers[i].finish()
-                    if not parsers[i].calls:
-                        text = pending[i] + text
-                    pending[i] = ""
-                    for piece in content_delta(i, text, calls):
-                        yield piece
-                    reason = "tool_calls" if parsers[i].calls else reason
+                    if parsers[i].calls:  # whitespace around tool calls is dropped
+                        pending[i] = ""
+                        for piece in content_delta(i, "" if not text.strip() else text, calls):
+                            yield piece
+                        reason = "tool_calls"
+                    elif pending[i] + text:
+                        yield chunk(i, {"content": pending[i] + text})
                 yield chunk(i, {}, reason)
     except EngineDeadError as e:
         yield error_event(str(e))

@@ -34,6 +34,7 @@ SCRIPTS = {
                 "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"],
     "hello": ["Hel", "lo ", "there."],
     "fail": ["Par", "tial"],
+    "spaced": ["No tool ", "needed.", "\n", "  "],
 }
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {
@@ -52,7 +53,7 @@ class ScriptedEngine:
                        request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         rid = request_id or "x"
         text = self.llm.tokenizer.decode(prompt_ids)
-        key = next((k for k in ("weather", "fail", "forever") if k in text), "hello")
+        key = next((k for k in ("spaced", "fail", "forever", "weather") if k in text), "hello")
         pieces = SCRIPTS.get(key, [])
         for piece in pieces:
             await asyncio.sleep(0.002)
@@ -129,6 +130,16 @@ def test_tool_calls_openai(served: tuple[Path, ScriptedEngine]) -> None:
     # without tools in the request the text comes back as it was written
     assert plain["choices"][0]["message"]["content"] == "Let me check.\n" + CALL
     assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+def test_with_tools_but_no_call_the_text_is_whole(served: tuple[Path, ScriptedEngine]) -> None:
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", json=ask("spaced", tools=[WEATHER], stream=True))
+        chunks = events(r)
+        whole = c.post("/v1/chat/completions", json=ask("spaced", tools=[WEATHER])).json()
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+    assert text == whole["choices"][0]["message"]["content"] == "No tool needed.\n  "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_tool_calls_ollama(served: tuple[Path, ScriptedEngine]) -> None:
