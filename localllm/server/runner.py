@@ -9,6 +9,7 @@ SIGINT stops at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Callable, Sequence
 
@@ -39,7 +40,7 @@ def make_server(state: ServerState, on_ready: Callable[[], None] = lambda: None)
     config = uvicorn.Config(
         build_app(state), log_config=None, access_log=False, lifespan="off", http="h11",
         ws="none", server_header=False, timeout_keep_alive=30,
-        timeout_graceful_shutdown=state.options.shutdown_timeout + 5)
+        timeout_graceful_shutdown=math.ceil(state.options.shutdown_timeout) + 5)
     return _Server(config, state, on_ready)
 
 
