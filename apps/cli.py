@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from localllm.apps.cache import add_store_args, cache_config
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:  # the functions below import them when called
@@ -35,6 +36,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="context length to serve (default: the model's)")
     p.add_argument("--kv-cache-memory", type=float, default=0,
                    help="KV cache size in GiB (default: up to 1 GiB)")
+    add_store_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -72,11 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
 
-    from localllm.apps.quantize import add_parser
+    from localllm.apps import cache, quantize
     from localllm.apps.serve import add_parser as add_serve_parser
 
-    add_parser(sub)
+    quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
+    cache.add_parser(sub)
     return parser
 
 
@@ -91,11 +94,11 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
-    from localllm.config import CacheConfig, SchedulerConfig
+    from localllm.config import SchedulerConfig
     from localllm.llm import LLM
     from localllm.loader import stderr_progress
 
-    cache = CacheConfig(memory_bytes=int(args.kv_cache_memory * 2**30))
+    cache = cache_config(args, int(args.kv_cache_memory * 2**30))
     sched = SchedulerConfig(max_model_len=args.max_model_len)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
               num_threads=threads or args.threads, progress=stderr_progress("loading"),
@@ -130,7 +133,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     sys.stdout.write("\n")
     decode = (n - 1) / (t2 - first) if first and n > 1 and t2 > first else 0.0
-    print(f"[load {t1 - t0:.2f} s | prompt {len(ids)} tokens, first token "
+    cached = llm.engine.bm.prefix_hits
+    print(f"[load {t1 - t0:.2f} s | prompt {len(ids)} tokens ({cached} cached), first token "
           f"{(first or t2) - t1:.3f} s | {n} tokens, {decode:.1f} tokens/s | {reason}]",
           file=sys.stderr)
     return 0
@@ -168,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.serve import cmd_serve
 
             return cmd_serve(args, load_llm)
+        if args.command == "cache":
+            from localllm.apps.cache import cmd_cache
+
+            return cmd_cache(args)
         if args.command == "chat":
             import torch
 

@@ -233,17 +233,28 @@ def _hf_rope_scaling(rope: dict[str, Any], original: Any) -> RopeScaling:
                        high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
 
 
+DEFAULT_PREFIX_CACHE_BYTES = 4 << 30
+
+
 @dataclass(frozen=True)
 class CacheConfig:
+    """The KV pool, and the on-disk prefix store behind it (`localllm.engine.prefix_store`)."""
+
     block_size: int = 16
     num_blocks: int = 0  # 0: size from memory_bytes
     memory_bytes: int = 0  # 0: enough for max_model_len tokens of every running sequence
+    # the on-disk prefix store: True / False, or None: on unless $LOCALLLM_PREFIX_CACHE=0
+    prefix_cache: bool | None = None
+    prefix_cache_dir: str | None = None  # None: $LOCALLLM_PREFIX_CACHE_DIR, else the user cache
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # size budget of the whole directory
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 0 or self.memory_bytes < 0:
             raise ValueError("num_blocks and memory_bytes must not be negative")
+        if self.prefix_cache_bytes <= 0:
+            raise ValueError(f"prefix_cache_bytes must be positive, got {self.prefix_cache_bytes}")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ class LLM:
         "int4" or "nf4") quantizes a Hugging Face checkpoint's linear weights on load.
         `device`: "auto" (a CUDA GPU when PyTorch sees one, else the CPU), "cpu" or "cuda"
         (an error without a GPU); `backend`: "auto", "cpu", "triton" or "torch" (see
-        `localllm.backends.make_backend`)."""
+        `localllm.backends.make_backend`). `cache` also configures the on-disk prefix cache,
+        on by default (`CacheConfig.prefix_cache`)."""
         if dtype not in DTYPES:
             raise RequestError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if quantize is not None and quantize not in QUANTIZE_MODES:
@@ -64,6 +65,10 @@ class LLM:
         self.template = ChatTemplate(self.tokenizer.chat_template, self.tokenizer.bos_token,
                                      self.tokenizer.eos_token)
         self.engine = LLMEngine(self.loaded, cache, scheduler)
+
+    def close(self) -> None:
+        """Finish writing the on-disk prefix cache (also done when the process exits)."""
+        self.engine.close()
 
     # ------------------------------------------------------------------ prompts
     def encode(self, text: str) -> list[int]:

@@ -3,6 +3,10 @@
 Without a CUDA GPU, Triton kernels run under its interpreter on CPU tensors: TRITON_INTERPRET
 must be set before any kernel module is imported (triton.jit reads it then), so it is set here,
 before the test modules are collected.
+
+The on-disk prefix cache is off in tests (LOCALLLM_PREFIX_CACHE=0, inherited by the processes
+they start) unless a test turns it on with its own directory: tests must neither write to the
+user's cache directory nor get prefixes stored by other tests.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["LOCALLLM_PREFIX_CACHE"] = "0"
 
 from localllm.model_path import INSTALL_HINT, default_model_path
 

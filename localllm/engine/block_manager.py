@@ -12,31 +12,55 @@ NOTE: an unlocked cached block stays in the allocator's free queue, and both kee
 which blocks were released, so the cache's least recently unlocked entry is the first cached
 block in the queue. Taking a block from the front evicts that entry first: the least recently
 freed cached block is reused first, as vLLM and nano-vllm do.
+
+A second tier, the on-disk `PrefixStore`, is asked for the keys after the first tier's hits
+(`match` stops at the first miss). On admission its hits are loaded into fresh blocks, which
+then join the first tier as blocks the request filled; a block that fails to load is computed
+instead, with every block after it. Every block that becomes full is handed to the store too,
+whose writer thread saves it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from localllm.engine.block_allocator import BlockAllocator
 from localllm.engine.prefix_cache import (
-    NO_HITS,
     BlockKey,
     LRUPrefixCache,
     PrefixCache,
-    PrefixHits,
     SizeInfo,
     block_hash,
 )
+from localllm.engine.prefix_store import PrefixStore
 from localllm.engine.request import Request
+
+
+class PrefixMatch(NamedTuple):
+    """A prompt's cached prefix: the first tier's hits, then the store's hits after them."""
+
+    block_ids: tuple[int, ...]  # tier 1: pool blocks, shared as they are
+    hashes: tuple[bytes, ...]
+    stored: tuple[BlockKey, ...] = ()  # tier 2: the next blocks, loaded into fresh blocks
+    stored_ids: tuple[int, ...] = ()  # the store's handles of those
+    asked: int = 0  # blocks asked of the store
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.stored)
+
+
+NO_MATCH = PrefixMatch((), ())
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str,
-                 cache: PrefixCache | None = None) -> None:
+                 cache: PrefixCache | None = None, store: PrefixStore | None = None) -> None:
         self.allocator = BlockAllocator(num_blocks)
         self.cache = cache if cache is not None else LRUPrefixCache()
+        self.store = store
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint.encode()
@@ -69,40 +93,75 @@ class BlockManager:
             parent = block_hash(parent, chunk, self.fingerprint)
             yield BlockKey(parent, chunk)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixHits:
-        """Cached blocks covering the longest prefix of full blocks, short of the last token.
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Cached blocks covering the longest prefix of full blocks, short of the last token:
+        the first tier's, then the store's after them.
 
-        Changes nothing; `allocate` locks the hits it is given.
+        Changes nothing; `allocate` locks the hits it is given and loads the stored ones.
         """
-        return self.cache.match(self._prompt_keys(token_ids))
+        if self.store is None:
+            hits = self.cache.match(self._prompt_keys(token_ids))
+            return PrefixMatch(hits.block_ids, hits.hashes)
+        keys = list(self._prompt_keys(token_ids))
+        hits = self.cache.match(keys)
+        rest = keys[hits.num_blocks:]
+        if not rest:
+            return PrefixMatch(hits.block_ids, hits.hashes)
+        stored = self.store.match(rest)
+        return PrefixMatch(hits.block_ids, hits.hashes, tuple(rest[:stored.num_blocks]),
+                           stored.block_ids, len(rest))
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count an admitted request's lookup once, however often it was retried."""
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
 
-    def _num_new_blocks(self, req: Request, num_new_tokens: int, num_hits: int) -> int:
-        total = req.num_computed_tokens + num_hits * self.block_size + num_new_tokens
-        return self.blocks_needed(total) - len(req.block_table) - num_hits
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, hits: PrefixMatch) -> int:
+        """Fresh blocks to take: for the new tokens and for the store's hits."""
+        total = req.num_computed_tokens + hits.num_blocks * self.block_size + num_new_tokens
+        return self.blocks_needed(total) - len(req.block_table) - len(hits.block_ids)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, hits: PrefixHits = NO_HITS) -> bool:
-        need = self._num_new_blocks(req, num_new_tokens, hits.num_blocks)
+    def can_allocate(self, req: Request, num_new_tokens: int,
+                     hits: PrefixMatch = NO_MATCH) -> bool:
+        need = self._num_new_blocks(req, num_new_tokens, hits)
         reclaim = sum(1 for b in hits.block_ids if self.allocator.ref_counts[b] == 0)
         return need + reclaim <= self.allocator.num_free
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: PrefixHits = NO_HITS) -> bool:
-        """Give `req` its prefix hits (on admission) and enough new blocks for its next tokens."""
+    def allocate(self, req: Request, num_new_tokens: int, hits: PrefixMatch = NO_MATCH) -> bool:
+        """Give `req` its prefix hits (on admission) and enough new blocks for its next tokens.
+
+        Hits from the store are loaded here; `req.block_hashes` then ends with those that
+        loaded, and the caller computes the rest of the prompt from there.
+        """
         if not self.can_allocate(req, num_new_tokens, hits):
             return False
-        need = self._num_new_blocks(req, num_new_tokens, hits.num_blocks)
+        need = self._num_new_blocks(req, num_new_tokens, hits)
         for bid in hits.block_ids:
             self.allocator.acquire(bid)
         self.cache.lock(hits.block_ids)
         req.block_table.extend(hits.block_ids)
         req.block_hashes.extend(hits.hashes)
-        for _ in range(need):
-            req.block_table.append(self._take_block())
+        fresh = [self._take_block() for _ in range(need)]
+        req.block_table.extend(fresh)
+        if self.store is not None:
+            self._load_stored(req, hits, fresh)
         return True
+
+    def _load_stored(self, req: Request, hits: PrefixMatch, fresh: list[int]) -> None:
+        assert self.store is not None
+        loaded = 0
+        if hits.stored:
+            self.store.lock(hits.stored_ids)
+            try:
+                loaded = self.store.load(hits.stored, fresh[:len(hits.stored)])
+            finally:
+                self.store.unlock(hits.stored_ids)
+            for key, bid in zip(hits.stored[:loaded], fresh):
+                self.cache.insert(bid, key)  # locked once, by `req`, as a block it filled
+                req.block_hashes.append(key.hash)
+        if hits.asked:
+            self.store.record_lookup(hits.asked * self.block_size, loaded * self.block_size)
+        self.store.touch(hits.hashes)
 
     def _take_block(self) -> int:
         bid = self.allocator.take()
@@ -123,17 +182,23 @@ class BlockManager:
         req.block_hashes = []
 
     def cache_full_blocks(self, req: Request) -> list[bytes]:
-        """Hash the blocks that became full and insert them in the cache; the new hashes."""
+        """Hash the blocks that became full, insert them in the cache and hand them to the
+        store (which copies them out now and writes them later); the new hashes."""
         bs = self.block_size
         tokens = req.all_token_ids
         new: list[bytes] = []
+        keys: list[BlockKey] = []
         for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
             parent = req.block_hashes[-1] if req.block_hashes else b""
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk, self.fingerprint)
             req.block_hashes.append(h)
-            self.cache.insert(req.block_table[i], BlockKey(h, chunk))
+            keys.append(BlockKey(h, chunk))
+            self.cache.insert(req.block_table[i], keys[-1])
             new.append(h)
+        if self.store is not None and keys:
+            start = len(req.block_hashes) - len(keys)
+            self.store.insert_blocks(req.block_table[start:len(req.block_hashes)], keys)
         return new
 
     def check_invariants(self, live: Iterable[Request]) -> None:

@@ -12,6 +12,8 @@ from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineSnapshot, EngineStats, engine_snapshot
 from localllm.engine.model_runner import ModelRunner, kv_bytes_per_token
+from localllm.engine.prefix_entry import StoreIdentity
+from localllm.engine.prefix_store import open_store
 from localllm.engine.request import FinishReason, Request, RequestStatus
 from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -47,6 +49,16 @@ class RequestOutput(NamedTuple):
     logprobs: list[TokenLogprobs] | None = None
 
 
+def store_identity(loaded: LoadedModel, runner: ModelRunner) -> StoreIdentity:
+    """Whose K/V the prefix store may give this engine: same weights, backend, pool layout."""
+    pool = runner.kv_caches[0].k  # [num_blocks, block_size, num_kv_heads, head_dim]
+    return StoreIdentity(fingerprint=loaded.fingerprint, backend=loaded.backend.name,
+                         kv_dtype=str(pool.dtype).removeprefix("torch."),
+                         block_size=pool.shape[1], num_layers=len(runner.kv_caches),
+                         num_kv_heads=pool.shape[2], head_dim=pool.shape[3],
+                         model_name=loaded.path.name)
+
+
 class _TextState:
     def __init__(self, engine: LLMEngine, req: Request) -> None:
         self.detok = IncrementalDetokenizer(engine.tokenizer)
@@ -73,11 +85,13 @@ class LLMEngine:
             num_blocks = max(1, min(budget // per_block, useful))
         self.num_blocks = num_blocks
         self.block_size = cache.block_size
-        self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint)
+        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
+        self.store = open_store(cache, store_identity(loaded, self.runner), self.runner)
+        self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint,
+                               store=self.store)
         # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
-        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
         self.sampler = Sampler(loaded.backend)
         self.stats = EngineStats()
         self._texts: dict[str, _TextState] = {}
@@ -89,9 +103,15 @@ class LLMEngine:
         log.info("%s", self.kv_summary())
 
     def kv_summary(self) -> str:
+        store = f"; prefix cache {self.store.dir}" if self.store is not None else ""
         return (f"KV cache {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_blocks * self.block_size} tokens, {self._kv_bytes / 2**20:.0f} MiB; "
-                f"context {self.max_model_len}")
+                f"context {self.max_model_len}{store}")
+
+    def close(self) -> None:
+        """Write the prefix store's queued blocks and stop its threads (also done at exit)."""
+        if self.store is not None:
+            self.store.close()
 
     # ----------------------------------------------------------------- requests in and out
     def check_prompt(self, prompt_ids: list[int]) -> None:

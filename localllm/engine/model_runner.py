@@ -2,10 +2,14 @@
 
 The runner holds the model's backend and device: it allocates the KV pools through the
 backend, builds each step's metadata, and takes the backend's whole-step fast path (a
-decode-only step in one call) where the backend has one, the model's forward otherwise.
+decode-only step in one call) where the backend has one, the model's forward otherwise. It also
+copies whole blocks out of and into the pools for the prefix store (`read_blocks`,
+`write_blocks`: plain indexing, on any device).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -34,6 +38,22 @@ class ModelRunner:
                                                   cfg.num_kv_heads, cfg.head_dim, model.dtype)
         self._whole_step: WholeStep | None = None
         self._whole_step_built = False
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of whole blocks' K/V, every layer (for the prefix store):
+        [n, num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((c.k.index_select(0, idx), c.v.index_select(0, idx)), 1)
+                            for c in self.kv_caches], 1).cpu()
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Fill whole blocks from `data` shaped as `read_blocks` gives it (one copy to the
+        device, then one indexed copy per pool)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
+        for layer, c in enumerate(self.kv_caches):
+            c.k.index_copy_(0, idx, data[:, layer, 0])
+            c.v.index_copy_(0, idx, data[:, layer, 1])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -101,6 +101,8 @@ class Scheduler:
                 n = min(n, budget)
             if not self.bm.allocate(req, n, hits):
                 break
+            # blocks the store failed to load are computed instead (this step or the next)
+            hit = len(req.block_hashes) * self.bm.block_size
             self.waiting.popleft()
             self.bm.record_prefix_lookup(req.num_tokens, hit)
             req.num_computed_tokens = hit
