@@ -114,6 +114,7 @@ def run_chat(args: argparse.Namespace, llm: LLM, params: SamplingParams,
         return _repl(args, llm, engine, params)
     finally:
         engine.shutdown()
+        llm.close()  # the prefix cache's last blocks reach the disk
 
 
 def _repl(args: argparse.Namespace, llm: LLM, engine: AsyncLLMEngine,

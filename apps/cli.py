@@ -113,6 +113,13 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
 def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = load_llm(args)
+    try:
+        return _generate(args, llm, t0)
+    finally:
+        llm.close()  # the prefix cache's last blocks reach the disk
+
+
+def _generate(args: argparse.Namespace, llm: LLM, t0: float) -> int:
     params = _sampling(args)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else llm.encode(args.prompt))

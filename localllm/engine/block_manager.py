@@ -22,6 +22,7 @@ whose writer thread saves it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -37,6 +38,7 @@ from localllm.engine.prefix_cache import (
 from localllm.engine.prefix_store import PrefixStore
 from localllm.engine.request import Request
 
+log = logging.getLogger("localllm")
 
 class PrefixMatch(NamedTuple):
     """A prompt's cached prefix: the first tier's hits, then the store's hits after them."""
@@ -160,7 +162,10 @@ class BlockManager:
                 self.cache.insert(bid, key)  # locked once, by `req`, as a block it filled
                 req.block_hashes.append(key.hash)
         if hits.asked:
-            self.store.record_lookup(hits.asked * self.block_size, loaded * self.block_size)
+            bs = self.block_size
+            self.store.record_lookup(hits.asked * bs, loaded * bs)
+            log.info("prefix cache: %d tokens from disk, %d from memory", loaded * bs,
+                     len(hits.block_ids) * bs)
         self.store.touch(hits.hashes)
 
     def _take_block(self) -> int:

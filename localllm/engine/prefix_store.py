@@ -102,6 +102,7 @@ class PrefixStore(PrefixCache):
         self._pins: dict[int, int] = {}  # row id -> locks held by this process
         self._pins_lock = threading.Lock()
         windex: StoreIndex | None = None
+        write_error: Exception | None = None
         try:
             root.mkdir(parents=True, exist_ok=True)
             windex = open_index(root)
@@ -110,11 +111,13 @@ class PrefixStore(PrefixCache):
         except (OSError, sqlite3.Error) as e:
             if windex is not None:
                 windex.close()
-            windex = None
-            self.warn_once("write", "prefix cache: cannot write to %s (%s); stored prefixes are "
-                           "used, new ones are not saved", root, e)
-        # the engine thread's own connection (the writer thread has `windex`)
+            windex, write_error = None, e
+        # the engine thread's own connection (the writer thread has `windex`); when even
+        # reading fails, this raises and `open_store` says so
         self.index = open_index(root, readonly=windex is None)
+        if write_error is not None:
+            self.warn_once("write", "prefix cache: cannot write to %s (%s); stored prefixes are "
+                           "used, new ones are not saved", root, write_error)
         self.writer = StoreWriter(self, windex, max_bytes, max_pending_bytes)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="localllm-prefix-read")
         self._bufs: list[torch.Tensor] = []  # two chunks of entries' payloads, made on first use

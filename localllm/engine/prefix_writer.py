@@ -203,7 +203,9 @@ class StoreWriter:
         rows: list[tuple[bytes, int]] = []
         error: OSError | None = None
         with self._index_lock:
+            # a forgotten entry (a bad file, deleted) is written again if it is queued
             seen = set(index.find(store.model, [w.key.hash for w in writes])) if writes else set()
+            seen -= set(forget)
             mid = bytes.fromhex(store.model)
             for w in writes if self.writable else []:
                 h = w.key.hash
@@ -220,9 +222,9 @@ class StoreWriter:
                 rows.append((h, size))
             now = time.time()
             with index.transaction():
+                index.remove(store.model, forget)
                 index.add(store.model, rows, now)
                 index.touch(store.model, touch, now)
-                index.remove(store.model, forget)
                 if asked:
                     index.count_lookups(store.model, asked, hits)
         if error is not None:

@@ -1,0 +1,109 @@
+"""`localllm cache stats|clear|path` and the prefix-cache options of the model commands, on a
+small synthetic model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from gguf_factory import ModelSpec, write_model
+
+from localllm.apps.cache import parse_size
+from localllm.apps.cli import main
+from localllm.engine import prefix_store
+
+PROMPT = "hello world " * 12
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("cache-cli")
+    spec = ModelSpec(hidden=64, ffn=128, heads=4, kv_heads=2, layers=2)
+    return (write_model(d / "one.gguf", spec).path,
+            write_model(d / "two.gguf", ModelSpec(**{**spec.__dict__, "seed": 3})).path)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def generate(capsys: pytest.CaptureFixture[str], model: Path, *opts: str) -> tuple[str, str]:
+    rc, out, err = cli(capsys, "generate", "--model", str(model), "--dtype", "float32",
+                       "--temperature", "0", "--max-tokens", "4", *opts, PROMPT)
+    assert rc == 0, err
+    return out, err
+
+
+def test_parse_size() -> None:
+    assert parse_size("4G") == 4 << 30 and parse_size("512M") == 512 << 20
+    assert parse_size("1.5GiB") == 3 << 29 and parse_size("100000") == 100000
+    for bad in ("", "-1G", "4X", "G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_generate_options_stats_and_clear(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                          models: tuple[Path, Path]) -> None:
+    store = tmp_path / "store"
+    one, two = models
+    out1, err1 = generate(capsys, one, "--prefix-cache-dir", str(store))
+    assert "(0 cached)" in err1 and f"prefix cache {store}" in err1
+    out2, err2 = generate(capsys, one, "--prefix-cache-dir", str(store))
+    assert out2 == out1 and "(0 cached)" not in err2
+    _, err3 = generate(capsys, one, "--prefix-cache-dir", str(store), "--no-prefix-cache")
+    assert "(0 cached)" in err3 and "prefix cache" not in err3
+    generate(capsys, two, "--prefix-cache-dir", str(store))
+
+    rc, out, _ = cli(capsys, "cache", "stats", "--prefix-cache-dir", str(store))
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].startswith(f"prefix cache {store}: ")
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {"one.gguf", "two.gguf"}
+    assert rows["one.gguf"][-3] == "50.0%"  # asked twice, served the second time
+    assert rows["two.gguf"][-3] == "0.0%"
+
+    rc, out, _ = cli(capsys, "cache", "clear", "--model", str(one), "--prefix-cache-dir",
+                     str(store))
+    assert rc == 0 and "of 1 model(s)" in out
+    _, out, _ = cli(capsys, "cache", "stats", "--prefix-cache-dir", str(store))
+    assert "one.gguf" not in out and "two.gguf" in out
+    assert not any((store / d).is_dir() for d in _model_ids(store, "one.gguf"))
+    _, err = generate(capsys, one, "--prefix-cache-dir", str(store))
+    assert "(0 cached)" in err  # cleared means computed again
+    rc, _, err = cli(capsys, "cache", "clear", "--model", "nothing.gguf", "--prefix-cache-dir",
+                     str(store))
+    assert rc == 1 and "nothing stored for nothing.gguf" in err
+    rc, out, _ = cli(capsys, "cache", "clear", "--prefix-cache-dir", str(store))
+    assert rc == 0 and "of 2 model(s)" in out
+    _, out, _ = cli(capsys, "cache", "stats", "--prefix-cache-dir", str(store))
+    assert out.splitlines() == [f"prefix cache {store}: 0 entries, 0 B"]
+
+
+def _model_ids(store: Path, name: str) -> list[str]:
+    import sqlite3
+
+    con = sqlite3.connect(store / "index-1.sqlite3")
+    ids = [m for m, ident in con.execute("SELECT model, identity FROM models")
+           if json.loads(ident)["model_name"] == name]
+    con.close()
+    return ids
+
+
+def test_cache_path_and_the_environment(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        models: tuple[Path, Path]) -> None:
+    monkeypatch.setenv(prefix_store.ENV_DIR, str(tmp_path / "env"))
+    assert cli(capsys, "cache", "path")[1].strip() == str(tmp_path / "env")
+    assert cli(capsys, "cache", "path", "--prefix-cache-dir", "/x")[1].strip() == "/x"
+    assert cli(capsys, "cache", "stats")[1].strip() == f"prefix cache {tmp_path / 'env'}: empty"
+    monkeypatch.delenv(prefix_store.ENV_SWITCH)  # tests turn the store off; users do not
+    _, err = generate(capsys, models[0])
+    assert f"prefix cache {tmp_path / 'env'}" in err
+    _, err = generate(capsys, models[0], "--prefix-cache-size", "1M")
+    assert "(0 cached)" not in err
