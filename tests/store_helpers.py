@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,17 +93,32 @@ def load_and_check(store: PrefixStore, io: PoolIO, keys: list[BlockKey], first_b
 
 
 def _slow_writes() -> None:
-    """A pause of 20 ms between writing each entry's temporary file and renaming it, so that
-    a kill can land there."""
+    """Each entry's payload is written 20 ms after its header, so that a kill lands in the
+    middle of a file."""
     from localllm.engine import prefix_entry
 
-    real = prefix_entry.os.replace
+    class SlowFile:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+            self.writes = 0
 
-    def replace(src: str, dst: str) -> None:
-        time.sleep(0.02)
-        real(src, dst)
+        def write(self, data: Any) -> int:
+            self.writes += 1
+            if self.writes == 3:  # header, token ids, then the payload
+                time.sleep(0.02)
+            return int(self.f.write(data))
 
-    prefix_entry.os.replace = replace  # type: ignore[assignment]
+        def __enter__(self) -> SlowFile:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    def slow_open(path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = open(path, mode, *args, **kw)
+        return SlowFile(f) if "w" in mode else f
+
+    prefix_entry.open = slow_open  # type: ignore[attr-defined]
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from gguf_factory import ModelSpec, write_model
 
 from localllm.apps.cache import parse_size
 from localllm.apps.cli import main
-from localllm.engine import prefix_store
+from localllm.engine import prefix_store, prefix_writer
+from localllm.engine.prefix_index import StoreIndex
 
 PROMPT = "hello world " * 12
 
@@ -107,3 +109,20 @@ def test_cache_path_and_the_environment(capsys: pytest.CaptureFixture[str], tmp_
     assert f"prefix cache {tmp_path / 'env'}" in err
     _, err = generate(capsys, models[0], "--prefix-cache-size", "1M")
     assert "(0 cached)" not in err
+
+
+def test_generate_returns_with_its_blocks_on_disk(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path, models: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    real = prefix_writer.write_entry
+
+    def slow_disk(*args: object) -> int:
+        time.sleep(0.05)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefix_writer, "write_entry", slow_disk)
+    _, err = generate(capsys, models[0], "--prefix-cache-dir", str(tmp_path))
+    n = int(err.split("prompt ")[1].split()[0])
+    index = StoreIndex(tmp_path, "ro")
+    assert index.totals()[0] == (n - 1 + 4) // 16  # prompt and output: every full block
+    index.close()

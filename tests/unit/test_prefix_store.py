@@ -12,13 +12,15 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from store_helpers import IDENTITY, PoolIO, chain, load_and_check, store_blocks
 
 from localllm.config import CacheConfig
 from localllm.engine import prefix_store, prefix_writer
-from localllm.engine.prefix_entry import HEADER, StoreIdentity, entry_path
+from localllm.engine.prefix_cache import BlockKey
+from localllm.engine.prefix_entry import HEADER, StoreIdentity, entry_path, write_entry
 from localllm.engine.prefix_index import INDEX_NAME, StoreIndex
 from localllm.engine.prefix_store import READ_CHUNK, PrefixStore, open_store, store_dir
 
@@ -79,8 +81,13 @@ def _damage(path: Path, how: str, foreign: Path) -> None:
         raw[HEADER.size - 4:HEADER.size] = struct.pack("<I", 12345)
     elif how == "foreign":
         raw = bytearray(foreign.read_bytes())  # another model's entry in this place
-    elif how == "other token ids":
-        raw[HEADER.size:HEADER.size + 4] = struct.pack("<i", 7)
+    elif how == "other token ids":  # a whole entry, but of another block with this hash
+        key = BlockKey(bytes.fromhex(path.stem), (7,) * IDENTITY.block_size)
+        write_entry(path, path.parent, bytes.fromhex(IDENTITY.model_id), key,
+                    np.zeros(IDENTITY.payload_bytes, dtype=np.uint8))
+        return
+    elif how == "trailing bytes":
+        raw += b"\0" * 8
     elif how == "empty":
         raw = bytearray()
     elif how == "half-written":  # the row is there, the file never made it
@@ -91,7 +98,7 @@ def _damage(path: Path, how: str, foreign: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "wrong checksum", "foreign",
-                                 "other token ids", "empty", "half-written"])
+                                 "other token ids", "trailing bytes", "empty", "half-written"])
 def test_bad_entries_are_skipped_deleted_and_recomputed(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
     keys = chain(1, 6)
@@ -99,11 +106,11 @@ def test_bad_entries_are_skipped_deleted_and_recomputed(
     store_blocks(store, io, keys)
     store.close()
     foreign_store, fio = make(tmp_path, identity=IDENTITY._replace(fingerprint="other"))
-    store_blocks(foreign_store, fio, keys[:1])
+    store_blocks(foreign_store, fio, keys)  # the same blocks, the same bytes, another model
     foreign_store.close()
-    foreign = entry_path(tmp_path / foreign_store.model, keys[0].hash)
     model_dir = tmp_path / IDENTITY.model_id
     for bad in (keys[2], keys[4]):
+        foreign = entry_path(tmp_path / foreign_store.model, bad.hash)
         _damage(entry_path(model_dir, bad.hash), how, foreign)
 
     store, io = make(tmp_path)

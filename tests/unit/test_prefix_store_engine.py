@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,10 +96,15 @@ def test_a_bad_entry_is_recomputed_and_stored_again(model_file: Path, tmp_path: 
     third.close()
 
 
-def test_another_model_gets_nothing(model_file: Path, tmp_path: Path) -> None:
+def test_another_model_backend_or_dtype_gets_nothing(model_file: Path, tmp_path: Path) -> None:
     first = make_llm(model_file, tmp_path)
     run(first)
     first.close()
+    for llm in (make_llm(model_file, tmp_path, "torch"),
+                LLM(model_file, dtype="bfloat16", device="cpu", cache=CacheConfig(
+                    num_blocks=64, prefix_cache=True, prefix_cache_dir=str(tmp_path)))):
+        assert run(llm).num_cached_tokens == 0
+        llm.close()
     other_path = write_model(tmp_path / "other.gguf", ModelSpec(hidden=64, ffn=128, heads=4,
                                                                 kv_heads=2, layers=2, seed=1)).path
     other = make_llm(other_path, tmp_path)
@@ -122,3 +130,25 @@ def test_a_full_disk_changes_nothing_but_one_warning(
     assert outs[0].output_ids == plain.output_ids
     assert outs[1].num_cached_tokens > 0  # the in-memory tier goes on
     llm.close()
+
+
+def test_queued_blocks_are_written_when_the_process_exits(model_file: Path,
+                                                           tmp_path: Path) -> None:
+    script = f"""
+import time
+from localllm import LLM, CacheConfig, SamplingParams
+from localllm.engine import prefix_writer
+real = prefix_writer.write_entry
+def slow_disk(*args):
+    time.sleep(0.05)
+    return real(*args)
+prefix_writer.write_entry = slow_disk
+llm = LLM({str(model_file)!r}, dtype="float32", device="cpu", cache=CacheConfig(
+    num_blocks=64, prefix_cache=True, prefix_cache_dir={str(tmp_path)!r}))
+llm.generate([{PROMPT!r}], SamplingParams(max_tokens=1, temperature=0))
+"""  # exits without close(): the writer has 0.45 s of work left
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    again = make_llm(model_file, tmp_path)
+    assert run(again).num_cached_tokens == (len(PROMPT) - 1) // 16 * 16
+    again.close()

@@ -14,9 +14,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from store_helpers import IDENTITY, PoolIO, chain, load_and_check, store_blocks
 
+from localllm.engine.prefix_entry import read_entry
 from localllm.engine.prefix_index import StoreIndex
 from localllm.engine.prefix_store import PrefixStore
 
@@ -56,13 +58,18 @@ def test_sigkill_while_writing_leaves_a_usable_store(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _stored(tmp_path, 30):
             time.sleep(0.05)
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (tmp.is_dir() and any(tmp.iterdir())):
             time.sleep(0.001)
-        p.send_signal(signal.SIGKILL)  # between writing an entry and renaming it
+        p.send_signal(signal.SIGKILL)  # in the middle of writing an entry
     finally:
         p.kill()
         p.wait()
     assert any(tmp.iterdir())
+    keys = {k.hash.hex(): k for seed in range(1, 200) for k in chain(seed, 20)}
+    payload = np.empty(IDENTITY.payload_bytes, dtype=np.uint8)
+    for path in (tmp_path / IDENTITY.model_id).rglob("*.kv"):  # with or without a row
+        read_entry(path, bytes.fromhex(IDENTITY.model_id), keys[path.stem], payload)
     store = PrefixStore(tmp_path, IDENTITY, PoolIO(num_blocks=64), max_bytes=1 << 30)
     assert not any(tmp.iterdir())  # the dead writer's temporary file is gone
     store.check_integrity()  # every row has its whole file
