@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from llama_ref import in_child, open_llama  # noqa: E402
 
-from localllm import LLM, SamplingParams  # noqa: E402
+from localllm import LLM, CacheConfig, SamplingParams  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
 from localllm.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
@@ -98,8 +98,9 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
         anon_peak = max(anon_peak, rss_parts_mib()[0] - base_anon)
 
     t0 = time.perf_counter()
-    llm = LLM(path, dtype=dtype, scheduler=SchedulerConfig(max_num_batched_tokens=max(
-        n_prompt, 512), max_num_seqs=1))
+    # no prefix cache on disk: a prompt stored by an earlier run would not be prefilled
+    llm = LLM(path, dtype=dtype, cache=CacheConfig(prefix_cache=False),
+              scheduler=SchedulerConfig(max_num_batched_tokens=max(n_prompt, 512), max_num_seqs=1))
     load = time.perf_counter() - t0
     sample()
     llm.generate([llm.encode("Hello")], SamplingParams(max_tokens=1, temperature=0))

@@ -148,7 +148,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # this thread loads; the engine thread computes (AsyncLLMEngine)
     path = resolve_model(args.model)
-    llm = LLM(path, dtype=args.dtype, cache=CacheConfig(memory_bytes=256 << 20),
+    # the in-memory prefix cache only: "cold" prefixes stored on disk by an earlier run would hit
+    llm = LLM(path, dtype=args.dtype, cache=CacheConfig(memory_bytes=256 << 20, prefix_cache=False),
               scheduler=SchedulerConfig(max_num_seqs=max(16, args.sessions),
                                         max_num_batched_tokens=512))
     engine = AsyncLLMEngine(llm.engine, num_threads=args.threads)
