@@ -16,9 +16,9 @@ Mutation rules (who calls what):
 - `match`, `size_info`, `check_integrity` and `in` change nothing and may be called any time on
   the thread that steps the engine.
 
-A second tier (blocks kept on disk) can sit behind the same contract: `match` gives hits in chain
-order and stops at the first miss, so the block manager can ask the next tier for the keys after
-the hits of the first one.
+The second tier, `PrefixStore` (blocks kept on disk, `prefix_store.py`), sits behind the same
+contract: `match` gives hits in chain order and stops at the first miss, so the block manager
+asks the store for the keys after the hits of the first tier.
 """
 
 from __future__ import annotations

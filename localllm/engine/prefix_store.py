@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -82,11 +82,6 @@ def store_dir(cache: CacheConfig) -> Path | None:
     if not on:
         return None
     return Path(cache.prefix_cache_dir or os.environ.get(ENV_DIR) or default_dir()).expanduser()
-
-
-class _Read(NamedTuple):
-    loaded: int  # leading entries of the chunk that were read and verified
-    bad: str | None  # why the next one was not
 
 
 class PrefixStore(PrefixCache):
@@ -233,31 +228,31 @@ class PrefixStore(PrefixCache):
     def _load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         cfg = self.identity
         shape = (cfg.num_layers, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        pending: Future[_Read] | None = self._reader.submit(
+        pending: Future[int] | None = self._reader.submit(
             self._read_chunk, keys[:READ_CHUNK], self._bufs[0])
         n = 0
         try:
             for c, start in enumerate(range(0, len(keys), READ_CHUNK)):
                 assert pending is not None
-                got = pending.result()
+                loaded = pending.result()  # leading entries of the chunk, read and verified
                 pending = None
                 chunk = keys[start:start + READ_CHUNK]
                 nxt = start + READ_CHUNK
-                if got.loaded == len(chunk) and nxt < len(keys):
+                if loaded == len(chunk) and nxt < len(keys):
                     pending = self._reader.submit(self._read_chunk, keys[nxt:nxt + READ_CHUNK],
                                                   self._bufs[(c + 1) % 2])
-                if got.loaded:
-                    data = self._bufs[c % 2][:got.loaded].view(self.kv_dtype).view(-1, *shape)
-                    self.io.write_blocks(block_ids[start:start + got.loaded], data)
-                n += got.loaded
-                if got.loaded < len(chunk):
+                if loaded:
+                    data = self._bufs[c % 2][:loaded].view(self.kv_dtype).view(-1, *shape)
+                    self.io.write_blocks(block_ids[start:start + loaded], data)
+                n += loaded
+                if loaded < len(chunk):
                     break
         finally:
             if pending is not None:  # a copy failed: the buffer must be free before reuse
                 wait([pending])
         return n
 
-    def _read_chunk(self, keys: Sequence[BlockKey], buf: torch.Tensor) -> _Read:
+    def _read_chunk(self, keys: Sequence[BlockKey], buf: torch.Tensor) -> int:
         """On the reader thread: entries into rows of `buf` until one fails."""
         mid = bytes.fromhex(self.model)
         for i, key in enumerate(keys):
@@ -267,15 +262,15 @@ class PrefixStore(PrefixCache):
             except FileNotFoundError:  # evicted by another process, or never written whole
                 log.debug("prefix cache: entry %s is gone", key.hash.hex())
                 self.writer.put_forget([key.hash])
-                return _Read(i, "missing")
+                return i
             except (OSError, EntryError) as e:
                 self.warn_once("entry", "prefix cache: skipped an unusable entry in %s (%s); it "
                                "is deleted and recomputed", self.dir, e)
                 with contextlib.suppress(OSError):
                     path.unlink()
                 self.writer.put_forget([key.hash])
-                return _Read(i, str(e))
-        return _Read(len(keys), None)
+                return i
+        return len(keys)
 
     def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
         """Count tokens of an admitted prompt asked of the store, and those it served."""

@@ -20,16 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from localllm.engine.prefix_cache import BlockKey
-from localllm.engine.prefix_entry import entry_path, write_entry
+from localllm.engine.prefix_entry import StoreIdentity, entry_path, write_entry
 from localllm.engine.prefix_index import LRUEntry, StoreIndex
-
-if TYPE_CHECKING:
-    from localllm.engine.prefix_store import PrefixStore
 
 log = logging.getLogger("localllm")
 BATCH = 64
@@ -81,8 +78,21 @@ def clean_tmp(tmp_dir: Path) -> None:
             continue
 
 
+class StoreParts(Protocol):
+    """What the writer reads of its `PrefixStore`."""
+
+    root: Path
+    dir: Path  # the model's folder
+    model: str  # the model id
+    identity: StoreIdentity
+
+    def pinned(self) -> set[int]: ...
+
+    def warn_once(self, kind: str, msg: str, *args: object) -> None: ...
+
+
 class StoreWriter:
-    def __init__(self, store: PrefixStore, index: StoreIndex | None, max_bytes: int,
+    def __init__(self, store: StoreParts, index: StoreIndex | None, max_bytes: int,
                  max_pending_bytes: int) -> None:
         self.store = store
         self.index = index  # None: the store is read-only and this thread never runs
