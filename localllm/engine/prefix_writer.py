@@ -168,6 +168,12 @@ class StoreWriter:
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
+        # NOTE: a lower priority for this thread alone (Linux: per-thread nice values), so that
+        # it takes the CPU only when the model's threads leave it idle: next to a busy thread,
+        # OpenMP's workers wait on each other and a prompt step takes several times longer
+        with contextlib.suppress(AttributeError, OSError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
         self._guarded(self.evict)  # the budget may be smaller than last time
         while True:
             with self._cond:
