@@ -10,8 +10,8 @@ in-memory prefix cache ("in-memory hit"). The second ("store warm") is a restart
 same prompt with its full blocks read from the store. Each process first answers a short other
 prompt, so the figures compare the prompt's path, not the first step of a process. TTFT is from
 the request's arrival to its first token (greedy, one token); the three answers must agree.
-Disk bytes per token: the size of the store's entry files over the tokens they hold (beside the
-KV cache's own bytes per token). --drop-caches drops the OS page cache before the restart (as
+Disk bytes per token: the size of the store's entry files (and the space allocated for them)
+over the tokens they hold. --drop-caches drops the OS page cache before the restart (as
 root), so the store is read from the disk rather than from memory.
 
 --llama: llama.cpp (llama-cpp-python) doing the same by hand, as llama-server's slot
@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 TEXT = ROOT / "benchmarks" / "data" / "apache-2.0.txt"
+BLOCK_SIZE = 16  # CacheConfig's default: tokens per entry
 
 
 def prompt_ids(llm: Any, n: int) -> list[int]:
@@ -162,8 +163,8 @@ def main() -> None:
         "model": Path(args.model).name, "dtype": args.dtype, "threads": args.threads,
         "prompt_tokens": args.tokens, "tokens_from_store": tokens_stored,
         "same_answer": len(answers) == 1, "ttft_ms": med, "rounds": rounds,
-        "entry_bytes_per_token": rounds[0]["bytes"] / tokens_stored,
-        "disk_bytes_per_token": rounds[0]["disk"] / tokens_stored,
+        "entry_bytes_per_token": rounds[0]["bytes"] / (rounds[0]["files"] * BLOCK_SIZE),
+        "disk_bytes_per_token": rounds[0]["disk"] / (rounds[0]["files"] * BLOCK_SIZE),
         "page_cache_dropped": args.drop_caches,
     }
     if args.llama:

@@ -40,6 +40,7 @@ from localllm.engine.request import Request
 
 log = logging.getLogger("localllm")
 
+
 class PrefixMatch(NamedTuple):
     """A prompt's cached prefix: the first tier's hits, then the store's hits after them."""
 
