@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace, load_llm: Any) -> int:
             serve(state, [lst.sock for lst in listeners], ready)
         finally:
             engine.shutdown(timeout=10)
+            llm.close()  # the prefix cache's last blocks reach the disk
     except _Terminated:
         pass
     finally:

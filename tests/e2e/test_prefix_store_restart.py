@@ -1,6 +1,6 @@
-"""The on-disk prefix cache across real restarts: `localllm generate` and `localllm chat` run
-as new processes prefill only what the store does not hold and answer the same; on the default
-model a stored 2,000-token prompt answers at least 10x sooner than cold."""
+"""The on-disk prefix cache across real restarts: `localllm generate`, `localllm chat` and
+`localllm serve` run as new processes prefill only what the store does not hold and answer the
+same; on the default model a stored 2,000-token prompt answers at least 10x sooner than cold."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from serve_util import ServeProcess
 
-from localllm import model_path
+from localllm import LLM, CacheConfig, model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 APACHE = ROOT / "benchmarks" / "data" / "apache-2.0.txt"
@@ -72,6 +73,40 @@ def test_chat_resumed_in_a_new_process_reuses_the_conversation(tmp_path: Path,
     # the second turn: the first turn and its reply, also written by the first process
     assert loads[1][0] > 0 and sum(loads[1]) > sum(loads[0])
     assert loads[2][1] > sum(loads[1])  # the third turn: what this process computed itself
+
+
+def test_serve_restarted_between_two_requests_reuses_the_system_prompt(
+        tmp_path: Path, stories_path: Path) -> None:
+    system = {"role": "system", "content": STORY * 3}
+
+    def ask(question: str, *store: str) -> tuple[str, float, float]:
+        """(reply, prompt tokens looked up, found) of one request to a fresh server."""
+        server = ServeProcess.start(["--model", str(stories_path), "--dtype", "float32",
+                                     "--threads", "1", "--shutdown-timeout", "1", *store],
+                                    tmp_path / "s.sock", env(tmp_path))
+        try:
+            with server.http() as c:
+                r = c.post("/v1/chat/completions", json={
+                    "messages": [system, {"role": "user", "content": question}],
+                    "max_tokens": 16, "temperature": 0})
+                assert r.status_code == 200, r.text
+            m = server.metrics()
+        finally:
+            assert server.stop() == 0, server.output
+        return (r.json()["choices"][0]["message"]["content"],
+                m["localllm_prefix_cache_queries_tokens_total"],
+                m["localllm_prefix_cache_hits_tokens_total"])
+
+    store = ("--prefix-cache-dir", str(tmp_path / "store"))
+    _, _, hits = ask("Where was the ball?", *store)
+    assert hits == 0
+    reply, asked, hits = ask("What color was it?", *store)  # a restart, another question
+    llm = LLM(stories_path, dtype="float32", cache=CacheConfig(num_blocks=8, prefix_cache=False))
+    first, second = (llm.encode_chat([system, {"role": "user", "content": q}])
+                     for q in ("Where was the ball?", "What color was it?"))
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert asked == len(second) and hits == common // 16 * 16 > 100  # the shared full blocks
+    assert reply == ask("What color was it?", "--no-prefix-cache")[0]
 
 
 @pytest.mark.slow
