@@ -92,9 +92,9 @@ def load_and_check(store: PrefixStore, io: PoolIO, keys: list[BlockKey], first_b
     return n, wrong
 
 
-def _slow_writes() -> None:
-    """Each entry's payload is written 20 ms after its header, so that a kill lands in the
-    middle of a file."""
+def _slow_writes(root: Path) -> None:
+    """Each entry's payload is written 20 ms after its header (0.5 s once a file named `slow`
+    is in `root`), so that a kill lands in the middle of a file."""
     from localllm.engine import prefix_entry
 
     class SlowFile:
@@ -105,7 +105,7 @@ def _slow_writes() -> None:
         def write(self, data: Any) -> int:
             self.writes += 1
             if self.writes == 3:  # header, token ids, then the payload
-                time.sleep(0.02)
+                time.sleep(0.5 if (root / "slow").exists() else 0.02)
             return int(self.f.write(data))
 
         def __enter__(self) -> SlowFile:
@@ -131,7 +131,7 @@ def main() -> int:
     ap.add_argument("--forever", action="store_true", help="keep writing until killed")
     args = ap.parse_args()
     if args.slow:
-        _slow_writes()
+        _slow_writes(Path(args.dir))
     io = PoolIO(num_blocks=2 * args.blocks + 8)
     store = PrefixStore(Path(args.dir), IDENTITY, io, max_bytes=1 << 30)
     seeds = list(args.write)

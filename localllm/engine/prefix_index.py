@@ -22,11 +22,13 @@ entry files' headers; that happens when it is missing or unreadable.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import shutil
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -89,9 +91,13 @@ class StoreIndex:
         self.con = sqlite3.connect(f"file:{path}{query}", uri=True, timeout=30.0,
                                    isolation_level=None, check_same_thread=False)
         if not self.readonly:
-            self.con.execute("PRAGMA journal_mode=WAL")
-            self.con.execute("PRAGMA synchronous=NORMAL")
-            self._create(root)
+            # NOTE: processes opening a new index at the same moment take turns: switching a
+            # fresh file to WAL can fail with SQLITE_BUSY without waiting, and a second opener
+            # must not read the file before the first has created the tables
+            with _exclusive(root / (INDEX_NAME + ".lock")):
+                self.con.execute("PRAGMA journal_mode=WAL")
+                self.con.execute("PRAGMA synchronous=NORMAL")
+                self._create(root)
         self.con.execute("SELECT entries FROM totals").fetchone()  # a broken file fails here
 
     def _create(self, root: Path) -> None:
@@ -214,6 +220,17 @@ class _Transaction:
             self.con.execute("COMMIT")
         else:
             self.con.execute("ROLLBACK")
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `lock_path` (created if absent) for the block."""
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def open_index(root: Path, readonly: bool = False) -> StoreIndex:

@@ -58,6 +58,7 @@ def test_sigkill_while_writing_leaves_a_usable_store(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _stored(tmp_path, 30):
             time.sleep(0.05)
+        (tmp_path / "slow").touch()  # from now on each payload waits 0.5 s: a wide window
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (tmp.is_dir() and any(tmp.iterdir())):
             time.sleep(0.001)
