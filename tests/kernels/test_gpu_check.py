@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py's CPU check: with --tiny it times every kernel family at tiny shapes
-(under TRITON_INTERPRET=1 without a GPU) and writes its JSON, so the script a GPU machine runs
-is exercised here."""
+(under TRITON_INTERPRET=1 without a GPU) and runs the engine on a tiny synthetic int4 model,
+and writes its JSON, so the script a GPU machine runs is exercised here."""
 
 from __future__ import annotations
 
@@ -29,3 +29,8 @@ def test_tiny_run_writes_every_section(tmp_path: Path) -> None:
     ops = [(r["op"], r["batch"]) for r in report["attention"]]
     assert ops == [("decode", 1), ("decode", 8), ("extend", 1)]
     assert "int4 ms" in p.stdout and "paged ms" in p.stdout
+    from localllm.model_path import default_model_path
+
+    if default_model_path() is not None:  # the end-to-end part, on a tiny synthetic model
+        (row,) = report["engine"]
+        assert row["decode_tok_s@1"] > 0 and row["decode_tok_s@8"] > 0 and row["ttft_ms"] > 0
