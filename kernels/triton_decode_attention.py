@@ -32,6 +32,36 @@ def _tanh(x):
 
 
 @triton.jit
+def attend_tile(q, m_i, l_i, acc, allowed, pos, mask_n, bt_row, kvh, offs_d, mask_d,
+                k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                scale, softcap, SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """One tile of cached positions `pos` ([BLOCK_N], read through the block table row
+    `bt_row`) through the online softmax of the queries q [ROWS, BLOCK_D]: `allowed`
+    (broadcastable to [ROWS, BLOCK_N]) masks the scores; returns the updated (m_i, l_i, acc)."""
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh  # [BLOCK_N]
+    v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+    k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
+                  mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PREC) * scale  # [ROWS, BLOCK_N]
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s = tl.where(allowed, s * _LOG2E, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -72,27 +102,10 @@ def _decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh  # [BLOCK_N]
-        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-        k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
-                      mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PREC) * scale  # [BLOCK_H, BLOCK_N]
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(mask_n[None, :], s * _LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, mask_n[None, :], pos, mask_n, bt_row, kvh, offs_d, mask_d, k_ptr,
+            v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale,
+            softcap, SOFTCAP, BLOCK_SIZE, DOT_PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -20,14 +20,7 @@ import triton
 import triton.language as tl
 
 from localllm.kernels.triton_common import INTERPRET
-from localllm.kernels.triton_decode_attention import check_out, check_paged_args
-
-_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+from localllm.kernels.triton_decode_attention import attend_tile, check_out, check_paged_args
 
 
 @triton.jit
@@ -88,29 +81,12 @@ def _extend_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh  # [BLOCK_N]
-        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-        k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
-                      mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PREC) * scale  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
         allowed = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (q_pos[:, None] - pos[None, :] < window))
-        s = tl.where(allowed, s * _LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, allowed, pos, mask_n, bt_row, kvh, offs_d, mask_d, k_ptr, v_ptr,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale, softcap,
+            SOFTCAP, BLOCK_SIZE, DOT_PREC)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
