@@ -74,12 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
 
-    from localllm.apps import cache, quantize
+    from localllm.apps import cache, info, quantize
     from localllm.apps.serve import add_parser as add_serve_parser
 
     quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
     cache.add_parser(sub)
+    info.add_parser(sub)
     return parser
 
 
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.cache import cmd_cache
 
             return cmd_cache(args)
+        if args.command == "info":
+            from localllm.apps.info import cmd_info
+
+            return cmd_info(args)
         if args.command == "chat":
             import torch
 

@@ -73,6 +73,10 @@ class SafetensorsFolder:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[name].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name ("BF16", "F32", "U8"...), read from the header."""
+        return str(self._handles[name].get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
         try:
             return self._handles[name].get_tensor(name)

@@ -1,0 +1,187 @@
+"""`localllm info [MODEL]`: a model's architecture, parameters, weight and KV bytes, FLOPs and
+bandwidth-bound decode speed, worked out from its file without loading it
+(`localllm.model_stats`, `localllm.weight_bytes`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import RequestError
+
+_UNITS = {"": 10**9, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"8GB" -> 8e9 bytes, "8GiB" -> 8 * 2**30; a bare number is GB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise RequestError(f"--memory {text!r}: give a size such as 8GB, 16GiB or 512MB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("info", help="parameters, weight and KV bytes, FLOPs and the "
+                       "bandwidth-bound decode speed of a model, from its file",
+                       description=__doc__)
+    p.add_argument("model_pos", nargs="?", metavar="MODEL",
+                   help="GGUF file or Hugging Face folder (same as --model)")
+    p.add_argument("--model", "-m", default=None,
+                   help="default: $LOCALLLM_MODEL, the config file, then the installed default")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype, also the KV cache's (default: bfloat16)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
+                   help="backend whose loaded bytes count for the KV fit and the bound "
+                   "(auto: triton with a CUDA GPU, else cpu)")
+    p.add_argument("--memory", default="8GB", help="memory for weights + KV (default: 8GB)")
+    p.add_argument("--sessions-at", type=int, default=4096, metavar="N",
+                   help="session length for how many concurrent sessions fit (default: 4096)")
+    p.add_argument("--context", type=int, default=0, metavar="N",
+                   help="context length for FLOPs and the bandwidth bound (default: the "
+                   "model's)")
+    bw = p.add_mutually_exclusive_group()
+    bw.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+                    help="memory bandwidth for the decode bound")
+    bw.add_argument("--measure", action="store_true",
+                    help="measure the bandwidth here (best of 5 copies of a 256 MiB buffer)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _auto_backend(name: str) -> str:
+    if name != "auto":
+        return name
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "triton" if importlib.util.find_spec("triton") else "torch"
+    return "cpu"
+
+
+def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_at: int,
+               context: int, bandwidth: float | None) -> dict[str, Any]:
+    """Every figure of `localllm info` as plain values (bytes, counts, FLOPs, bytes/s)."""
+    from localllm.config import DTYPES, ModelConfig
+    from localllm.gguf.reader import GGUFFile
+    from localllm.hf.loader import read_config
+    from localllm.model_stats import (
+        MODULES,
+        decode_bound,
+        decode_flops,
+        kv_fit,
+        param_counts,
+        prefill_flops,
+    )
+    from localllm.weight_bytes import BACKEND_NAMES, gguf_entries, hf_entries, weight_bytes
+
+    dtype = DTYPES[dtype_name]
+    if path.is_dir():
+        cfg = ModelConfig.from_hf_config(read_config(path))
+        entries = hf_entries(path, cfg.tie_word_embeddings)
+        fmt = "huggingface"
+    else:
+        gf = GGUFFile(path)
+        cfg = ModelConfig.from_gguf_metadata(gf.metadata, has_output="output.weight" in gf.tensors)
+        entries = gguf_entries(gf)
+        fmt = "gguf"
+    context = context or cfg.context_length
+    if context <= 0 or sessions_at <= 0:
+        raise RequestError("--context and --sessions-at must be positive")
+    params = {m: sum(e.numel for e in entries if e.module == m) for m in MODULES}
+    wb = weight_bytes(entries, dtype)
+    loaded = {b: {**wb.loaded[b], "total": wb.loaded_total(b)} for b in BACKEND_NAMES}
+    fit = kv_fit(cfg, dtype, memory, wb.loaded_total(backend), sessions_at)
+    embed_read = 0 if cfg.tie_word_embeddings else wb.loaded[backend].get("embeddings", 0)
+    step_bytes = wb.loaded_total(backend) - embed_read + fit.bytes_per_token * context
+    out: dict[str, Any] = {
+        "model": {"path": str(path), "format": fmt, "name": cfg.name},
+        "config": dataclasses.asdict(cfg),
+        "params": {**params, "total": sum(params.values()),
+                   "from_config": param_counts(cfg)._asdict()},
+        "weights": {
+            "stored": {q: {"tensors": n, "params": p, "bytes": b}
+                       for q, (n, p, b) in sorted(wb.stored.items())},
+            "stored_total": wb.stored_total, "dtype": dtype_name, "loaded": loaded},
+        "kv": {"dtype": dtype_name, "backend": backend, "memory": memory,
+               **fit._asdict(), "session_len": sessions_at},
+        "flops": {"context": context, "prefill": prefill_flops(cfg, context)._asdict(),
+                  "decode": decode_flops(cfg, context)._asdict()},
+        "bandwidth": {"backend": backend, "context": context, "bytes_per_step": step_bytes,
+                      "bytes_per_s": bandwidth,
+                      "decode_tokens_per_s": None if bandwidth is None
+                      else decode_bound(step_bytes, bandwidth)},
+    }
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _count(n: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def render(info: dict[str, Any]) -> str:
+    c, p, w, kv, f, bw = (info[k] for k in ("config", "params", "weights", "kv", "flops",
+                                              "bandwidth"))
+    lines = [f"{info['model']['path']} ({info['model']['format']}) {c['name']}",
+             f"architecture  {c['arch']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
+             f"{c['num_heads']} heads / {c['num_kv_heads']} KV heads of {c['head_dim']}, "
+             f"MLP {c['intermediate_size']}, vocab {c['vocab_size']}, context "
+             f"{c['context_length']}, RoPE base {c['rope_theta']:g}"
+             f"{', tied head' if c['tie_word_embeddings'] else ''}",
+             "", f"parameters    {p['total']:,} ({_count(p['total'])})"]
+    for m in ("embeddings", "attention", "mlp", "norms", "head"):
+        note = " (tied: counted in embeddings)" if m == "head" and c["tie_word_embeddings"] else ""
+        lines.append(f"  {m:<12}{p[m]:>14,}{note}")
+    lines += ["", f"weights as stored  {_mib(w['stored_total'])}"]
+    for q, s in w["stored"].items():
+        lines.append(f"  {q:<10}{s['tensors']:>5} tensors {s['params']:>14,} params "
+                     f"{_mib(s['bytes']):>14}")
+    lines.append(f"weights as loaded ({w['dtype']} compute)")
+    for b, mods in w["loaded"].items():
+        parts = ", ".join(f"{m} {mods[m] / 2**20:.2f}" for m in mods if m != "total")
+        lines.append(f"  {b:<8}{_mib(mods['total']):>14}  ({parts} MiB)")
+    lines += ["", f"KV cache      {kv['bytes_per_token']:,} bytes/token ({kv['dtype']}); in "
+              f"{kv['memory'] / 1e9:g} GB beside the {kv['backend']} weights: "
+              f"{kv['tokens']:,} tokens, one session up to {kv['context']:,}, "
+              f"{kv['sessions']} sessions of {kv['session_len']:,}"]
+    pre, dec = f["prefill"], f["decode"]
+    lines += [f"FLOPs/token   at context {f['context']:,}: prefill {_count(pre['total'])} "
+              f"(attention {_count(pre['attention'])}), decode {_count(dec['total'])} "
+              f"(linear {_count(dec['linear'])}, head {_count(dec['head'])}, attention "
+              f"{_count(dec['attention'])})"]
+    bound = (f"{bw['decode_tokens_per_s']:,.0f} tokens/s at {bw['bytes_per_s'] / 1e9:.1f} GB/s"
+             if bw["bytes_per_s"] else "give --bandwidth GB/s or --measure")
+    lines.append(f"decode bound  {_mib(bw['bytes_per_step'])} read per token ({bw['backend']}, "
+                 f"context {bw['context']:,}): {bound}")
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from localllm.model_path import find_model
+    from localllm.model_stats import measure_bandwidth
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise RequestError("give the model once: as MODEL or with --model")
+    path = find_model(args.model_pos or args.model)
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else None
+    if args.measure:
+        bandwidth = measure_bandwidth()
+    info = model_info(path, args.dtype, _auto_backend(args.backend), parse_size(args.memory),
+                      args.sessions_at, args.context, bandwidth)
+    info["bandwidth"]["source"] = ("measured" if args.measure else
+                                   "given" if bandwidth else None)
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0

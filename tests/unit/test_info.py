@@ -1,0 +1,188 @@
+"""`localllm info`: every figure against a hand calculation written out here, and the worked-out
+loaded bytes against the tensors of a model really loaded on each backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf_factory import ModelSpec, vocab, write_model
+
+from localllm.apps.cli import main as cli_main
+from localllm.apps.info import model_info, parse_size
+from localllm.backends import make_backend
+from localllm.errors import RequestError
+from localllm.kernels import cpu_native
+from localllm.loader import load_gguf
+from localllm.model_stats import measure_bandwidth
+
+ROOT = Path(__file__).resolve().parents[2]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K.gguf"
+GB = 10**9
+
+
+def _info(path: Path, **kw: Any) -> dict[str, Any]:
+    args = {"dtype_name": "bfloat16", "backend": "cpu", "memory": 8 * GB, "sessions_at": 4096,
+            "context": 0, "bandwidth": 40e9, **kw}
+    return model_info(path, **args)
+
+
+@pytest.mark.skipif(not STORIES.exists(), reason="../shared/models/stories260K.gguf is absent")
+def test_stories260k_by_hand() -> None:
+    # dim 64, 5 layers, 8 heads / 4 KV heads of 8, FFN 172, vocab 512, separate output.weight;
+    # no context_length key: the default 2048
+    info = _info(STORIES)
+    p = info["params"]
+    assert p["embeddings"] == 512 * 64 == 32768
+    assert p["attention"] == 5 * (64 * 64 + 2 * 64 * 32 + 64 * 64) == 61440
+    assert p["mlp"] == 5 * 3 * 64 * 172 == 165120
+    assert p["norms"] == 5 * 2 * 64 + 64 == 704
+    assert p["head"] == 512 * 64 == 32768
+    # the model card's 260,032 leaves out the (here untied) head
+    assert p["total"] == 292800 == 260032 + 32768
+    assert p["from_config"] == {k: p[k] for k in ("embeddings", "attention", "mlp", "norms",
+                                                   "head")}
+    w = info["weights"]
+    assert w["stored"] == {"F32": {"tensors": 48, "params": 292800, "bytes": 292800 * 4}}
+    for backend in ("cpu", "torch", "triton"):  # F32 tensors load dense, in bf16
+        assert w["loaded"][backend]["total"] == 292800 * 2 == 585600
+    kv = info["kv"]
+    assert kv["bytes_per_token"] == 2 * 5 * 4 * 8 * 2 == 640
+    # (8e9 - 585,600) bytes / (640 * 16 bytes a block) = 781,192.8 -> 781,192 blocks
+    assert kv["tokens"] == 781192 * 16 == 12499072
+    assert kv["context"] == 2048
+    assert kv["sessions"] == 781192 // (4096 // 16) == 3051
+    f = info["flops"]
+    assert f["context"] == 2048
+    assert f["decode"] == {"linear": 2 * (61440 + 165120), "head": 2 * 512 * 64,
+                           "attention": 4 * 5 * 8 * 8 * 2048, "total": 453120 + 65536 + 2621440}
+    pre = f["prefill"]
+    assert pre["linear"] == 453120
+    assert pre["head"] == 65536 / 2048 == 32
+    assert pre["attention"] == 4 * 5 * 8 * 8 * 2049 / 2 == 1311360
+    assert pre["total"] == 453120 + 32 + 1311360
+    bw = info["bandwidth"]
+    # every weight but the (untied) embedding table, and K/V of 2048 positions
+    assert bw["bytes_per_step"] == 585600 - 65536 + 640 * 2048 == 1830784
+    assert bw["decode_tokens_per_s"] == pytest.approx(40e9 / 1830784)
+
+
+SPEC = ModelSpec(hidden=64, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
+                 qtypes={"token_embd.weight": QT.Q8_0, "output.weight": QT.Q4_1})
+
+
+def test_synthetic_quantized_by_hand(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, SPEC)
+    v = len(vocab()[0])
+    assert v == 303  # rows padded to 320 in the CPU layout
+    info = _info(path, context=256, sessions_at=100, memory=10**6)
+    p = info["params"]
+    assert (p["embeddings"], p["attention"], p["mlp"], p["norms"], p["head"]) == (
+        303 * 64, 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64), 2 * 3 * 64 * 128, 2 * 2 * 64 + 64,
+        303 * 64)
+    assert p["total"] == 19392 + 24576 + 49152 + 320 + 19392 == 112832
+    stored = info["weights"]["stored"]
+    assert stored["Q4_0"]["bytes"] == (24576 + 49152) // 32 * 18 == 41472
+    assert stored["Q8_0"]["bytes"] == 19392 // 32 * 34 == 20604
+    assert stored["Q4_1"]["bytes"] == 19392 // 32 * 20 == 12120
+    assert stored["F32"]["bytes"] == 320 * 4
+    loaded = info["weights"]["loaded"]
+    assert loaded["torch"]["total"] == 112832 * 2
+    # triton: codes K/2 (int4) or K (int8) bytes a row, fp16 scales (and offsets) per 32
+    q, kv_, down = 64 * 64 // 2 + 2 * 64 * 2, 32 * 64 // 2 + 2 * 32 * 2, 128 * 64 // 2 + 4 * 64 * 2
+    gate = 128 * 64 // 2 + 2 * 128 * 2
+    assert loaded["triton"]["attention"] == 2 * (2 * q + 2 * kv_) == 13824
+    assert loaded["triton"]["mlp"] == 2 * (2 * gate + down) == 27648
+    assert loaded["triton"]["embeddings"] == 303 * 64 + 2 * 303 * 2 == 20604
+    assert loaded["triton"]["head"] == 303 * 64 // 2 + 2 * 303 * 2 * 2 == 12120
+    assert loaded["triton"]["total"] == 13824 + 27648 + 20604 + 12120 + 640
+    # cpu: rows padded to 64; half = the fp16 scales alone (native kernels), else bf16
+    # (scale, zero) pairs per plane and group; the embedding keeps exact scales when not half
+    half = cpu_native.available()
+    if half:
+        q4 = {64: 2048 + 2 * 64 * 2, 32: 2048 + 2 * 64 * 2, 128: 4096 + 2 * 128 * 2}
+        down_b, embed = 4096 + 4 * 64 * 2, 20480 + 2 * 320 * 2
+    else:
+        q4 = {64: 2048 + 2 * 64 * 4, 32: 2048 + 2 * 64 * 4, 128: 4096 + 2 * 128 * 4}
+        down_b, embed = 4096 + 4 * 64 * 4, 20480 + 2 * 2 * 320 * 4 + 303 * 2 * 2
+    assert loaded["cpu"]["attention"] == 2 * (2 * q4[64] + 2 * q4[32])
+    assert loaded["cpu"]["mlp"] == 2 * (2 * q4[128] + down_b)
+    assert loaded["cpu"]["embeddings"] == embed  # Q8_0: two planes, 320 rows
+    assert loaded["cpu"]["head"] == 320 * 32 + 2 * 320 * 4 == 12800  # Q4_1: never half
+    kv = info["kv"]
+    assert kv["bytes_per_token"] == 2 * 2 * 2 * 16 * 2 == 256
+    budget = 10**6 - loaded["cpu"]["total"]
+    assert kv["tokens"] == budget // (256 * 16) * 16
+    assert kv["context"] == 256  # the model's (factory) context length caps one session
+    assert kv["sessions"] == budget // (256 * 16) // 7  # 100 tokens: 7 blocks
+    dec = info["flops"]["decode"]
+    assert dec["total"] == 2 * (24576 + 49152) + 2 * 303 * 64 + 4 * 2 * 4 * 16 * 256 == 317312
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct tensor storage a loaded model's weights hold (parameters, and
+    the tensors inside packed weights), RoPE tables left out."""
+    seen: dict[int, int] = {}
+
+    def add(obj: object, depth: int = 0) -> None:
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        elif isinstance(obj, (tuple, list)):
+            for o in obj:
+                add(o, depth)
+        elif depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            for o in vars(obj).values():
+                add(o, depth + 1)
+
+    for m in model.modules():
+        for t in m.parameters(recurse=False):
+            add(t)
+        if hasattr(m, "qweight"):
+            add(m.qweight)
+    return sum(seen.values())
+
+
+MIXED = ModelSpec(hidden=256, ffn=256, heads=4, kv_heads=2, layers=1, qtype=QT.Q4_1, tied=True,
+                  qtypes={"token_embd.weight": QT.Q4_K, "blk.0.attn_k.weight": QT.Q4_K,
+                          "blk.0.attn_output.weight": QT.Q6_K, "blk.0.ffn_up.weight": QT.Q5_0,
+                          "blk.0.ffn_gate.weight": QT.IQ4_NL, "blk.0.ffn_down.weight": QT.F16})
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_loaded_bytes_match_a_real_load(tmp_path: Path, backend: str) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")
+    path = tmp_path / "mixed.gguf"
+    write_model(path, MIXED)
+    loaded = load_gguf(path, torch.bfloat16, backend=make_backend("cpu", backend))
+    info = _info(path, backend=backend)
+    assert info["weights"]["loaded"][backend]["total"] == _held_bytes(loaded.model)
+
+
+def test_cli_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, SPEC)
+    assert cli_main(["info", str(path), "--json", "--bandwidth", "20", "--context", "128"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bandwidth"]["source"] == "given"
+    assert out["bandwidth"]["bytes_per_s"] == 20e9
+    assert out["flops"]["context"] == 128
+    assert cli_main(["info", "--model", str(path), "--memory", "1GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "parameters    112,832" in text and "KV cache      256 bytes/token" in text
+
+
+def test_sizes_and_bandwidth() -> None:
+    assert parse_size("8GB") == 8 * GB
+    assert parse_size("1.5GiB") == 3 * 2**29
+    assert parse_size("512MB") == 512 * 10**6
+    assert parse_size("16") == 16 * GB
+    with pytest.raises(RequestError, match="--memory"):
+        parse_size("lots")
+    assert measure_bandwidth(8 << 20, repeat=2) > 1e8  # any machine copies 100 MB/s
