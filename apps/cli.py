@@ -74,13 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
 
-    from localllm.apps import cache, info, quantize
+    from localllm.apps import bench, cache, info, quantize
     from localllm.apps.serve import add_parser as add_serve_parser
 
     quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
     cache.add_parser(sub)
     info.add_parser(sub)
+    bench.add_parser(sub, _model_args)
     return parser
 
 
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.info import cmd_info
 
             return cmd_info(args)
+        if args.command == "bench":
+            from localllm.apps.bench import cmd_bench
+
+            return cmd_bench(args)
         if args.command == "chat":
             import torch
 

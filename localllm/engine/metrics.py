@@ -115,3 +115,10 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator, as llama-bench reports)
+    of a non-empty list; the deviation of one value is 0."""
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values, mean) if len(values) > 1 else 0.0

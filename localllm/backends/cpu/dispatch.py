@@ -85,6 +85,19 @@ def machine() -> str:
     return "amx" if cpu_native.gemm_available() else "native"
 
 
+def native_kernels() -> str:
+    """What the native kernels run here, in words ("AVX-512 BF16 + AMX prefill"), or why they
+    are off."""
+    if not cpu_native.available():
+        return f"off ({cpu_native.unavailable_reason() or 'the build failed'})"
+    parts = ["AVX-512 BF16"]
+    if cpu_native.gemm_available():
+        parts.append("AMX prefill")
+    if cpu_native.amx_enabled():
+        parts.append("AMX decode")
+    return " + ".join(parts)
+
+
 def packed_policy(codes: bool, planes: int) -> Policy:
     """The row policy of a packed int4 weight of `planes` planes; `codes` as in the module
     docstring."""
