@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from localllm.config import CacheConfig
     from localllm.engine.latency import blocks_per_seq
     from localllm.llm import LLM
+    from localllm.loader import stderr_progress
     from localllm.machine import describe
 
     _check(args)
@@ -172,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, cache=CacheConfig(num_blocks=blocks,
                                                               prefix_cache=False),
               num_threads=args.threads, quantize=args.quantize, device=args.device,
-              backend=args.backend)
+              backend=args.backend, progress=stderr_progress("loading"))
+    print(f"[{llm.path.name}: {llm.backend.name} backend on {llm.backend.device.type}, "
+          f"{llm.engine.kv_summary()}]", file=sys.stderr)
     cfg = llm.config
     if max_len > cfg.context_length:
         raise RequestError(f"depth {max(args.depth)} + {max(args.n_prompt, args.n_gen)} "

@@ -186,3 +186,36 @@ def test_sizes_and_bandwidth() -> None:
     with pytest.raises(RequestError, match="--memory"):
         parse_size("lots")
     assert measure_bandwidth(8 << 20, repeat=2) > 1e8  # any machine copies 100 MB/s
+
+
+def test_hf_folder_by_hand(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 100, "tie_word_embeddings": True, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shapes = {"model.embed_tokens.weight": (100, 32), "lm_head.weight": (100, 32),
+              "model.layers.0.self_attn.q_proj.weight": (32, 32),
+              "model.layers.0.self_attn.k_proj.weight": (16, 32),
+              "model.layers.0.self_attn.v_proj.weight": (16, 32),
+              "model.layers.0.self_attn.o_proj.weight": (32, 32),
+              "model.layers.0.mlp.gate_proj.weight": (64, 32),
+              "model.layers.0.mlp.up_proj.weight": (64, 32),
+              "model.layers.0.mlp.down_proj.weight": (32, 64),
+              "model.layers.0.input_layernorm.weight": (32,),
+              "model.layers.0.post_attention_layernorm.weight": (32,),
+              "model.norm.weight": (32,)}
+    save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
+              str(tmp_path / "model.safetensors"))
+    info = _info(tmp_path, dtype_name="float32", context=128)
+    p = info["params"]
+    # tied: the stored lm_head.weight is not loaded, so not counted
+    assert (p["embeddings"], p["attention"], p["mlp"], p["norms"], p["head"]) == (
+        100 * 32, 32 * 32 + 2 * 16 * 32 + 32 * 32, 3 * 64 * 32, 3 * 32, 0)
+    assert p["total"] == 3200 + 3072 + 6144 + 96 == 12512
+    assert info["weights"]["stored"] == {"BF16": {"tensors": 11, "params": 12512,
+                                                  "bytes": 12512 * 2}}
+    for backend in ("cpu", "torch", "triton"):
+        assert info["weights"]["loaded"][backend]["total"] == 12512 * 4
+    assert info["kv"]["bytes_per_token"] == 2 * 1 * 2 * 8 * 4 == 128
