@@ -13,6 +13,10 @@ deviation over the repetitions. Definitions:
   sample ms    one sampling call over the batch (temperature 0.8, top-k 40, top-p 0.95,
                min-p 0.05), timed apart from the kernels
   tokenize ms  encoding one prompt of n_prompt tokens, timed apart (not in any figure above)
+
+The KV pool is sized for the runs (max batch x (max depth + max(n_prompt, n_gen)) tokens) and
+the prefix cache is off, so --kv-cache-memory, --max-model-len and the prefix-cache options
+are ignored here.
 """
 
 from __future__ import annotations
@@ -90,17 +94,17 @@ def _measure(llm: Any, args: argparse.Namespace, base: dict[str, Any],
     p, n, reps = args.n_prompt, args.n_gen, args.repetitions
     max_len = max(args.depth) + max(p, n)
     tok = mean_sd(_tokenize_ms(llm, p, reps)) if p else (0.0, 0.0)
-    for b in args.batch_size:
-        for d in args.depth:
-            lr = LatencyRunner(llm.engine.runner, b, max_len, args.step_tokens)
-            lr.fill_depth(d)
+    lr = LatencyRunner(llm.engine.runner, max(args.batch_size), max_len, args.step_tokens)
+    for d in args.depth:
+        lr.fill_depth(d)  # every sequence: each batch size runs on the first b of them
+        for b in args.batch_size:
             point = {**base, "batch": b, "depth": d}
             if p:
                 tick(f"pp{p} b{b} d{d}")
-                lr.prompt(d, p)  # warm-up
+                lr.prompt(d, p, b)  # warm-up
                 runs = []
                 for _ in range(reps):
-                    runs.append(lr.prompt(d, p))
+                    runs.append(lr.prompt(d, p, b))
                     tick(f"pp{p} b{b} d{d}")
                 tps = [b * p / r.kernel for r in runs]
                 ttft = [(r.kernel + r.sample[0]) * 1e3 for r in runs]
@@ -111,10 +115,10 @@ def _measure(llm: Any, args: argparse.Namespace, base: dict[str, Any],
                        "tokenize_ms_sd": tok[1]}
             if n:
                 tick(f"tg{n} b{b} d{d}")
-                lr.generate(d, min(n, 8))  # warm-up
+                lr.generate(d, min(n, 8), b)  # warm-up
                 runs = []
                 for _ in range(reps):
-                    runs.append(lr.generate(d, n))
+                    runs.append(lr.generate(d, n, b))
                     tick(f"tg{n} b{b} d{d}")
                 itl = [(s + q) * 1e3 for r in runs for s, q in zip(r.steps, r.sample)]
                 yield {**point, "test": f"tg{n}", "tokens": b * n,

@@ -3,11 +3,12 @@ model runner driven directly with synthetic token ids on its own block tables, s
 tokenization, nor sampling, nor the scheduler enters the figures. Sampling is timed on its own,
 on the logits of each step, with the engine's `Sampler`.
 
-Each of `batch` sequences owns a contiguous run of blocks. `fill_depth` writes the K/V of
-`depth` positions once (untimed); a prompt-processing run then prefills `n_prompt` tokens of
-every sequence after them (in steps of at most `step_tokens` tokens, as chunked prefill does),
-and a token-generation run decodes `n_gen` steps of one token per sequence from position
-`depth`, so each run sees the same cached context and overwrites only its own positions.
+Each of `max_batch` sequences owns a contiguous run of blocks. `fill_depth` writes the K/V of
+`depth` positions of every one once (untimed); a prompt-processing run over the first `batch`
+sequences then prefills `n_prompt` tokens of each after them (in steps of at most
+`step_tokens` tokens, as chunked prefill does), and a token-generation run decodes `n_gen`
+steps of one token per sequence from position `depth`, so each run sees the same cached
+context and overwrites only its own positions.
 """
 
 from __future__ import annotations
@@ -38,26 +39,27 @@ def blocks_per_seq(length: int, block_size: int) -> int:
 
 
 class LatencyRunner:
-    """Times steps of `batch` synthetic sequences of up to `max_len` tokens on `runner`, whose
-    pool must hold `batch * blocks_per_seq(max_len)` blocks."""
+    """Times steps of up to `max_batch` synthetic sequences of up to `max_len` tokens on
+    `runner`, whose pool must hold `max_batch * blocks_per_seq(max_len)` blocks."""
 
-    def __init__(self, runner: ModelRunner, batch: int, max_len: int, step_tokens: int = 2048,
+    def __init__(self, runner: ModelRunner, max_batch: int, max_len: int,
+                 step_tokens: int = 2048,
                  seed: int = 0) -> None:
         self.runner = runner
-        self.batch = batch
+        self.max_batch = max_batch
         self.bs = runner.block_size
         self.nb = blocks_per_seq(max_len, self.bs)
         pool = runner.kv_caches[0].k.shape[0]
-        if pool < batch * self.nb:
-            raise ValueError(f"the KV pool has {pool} blocks, {batch * self.nb} needed")
+        if pool < max_batch * self.nb:
+            raise ValueError(f"the KV pool has {pool} blocks, {max_batch * self.nb} needed")
         self.step_tokens = step_tokens
         self.dev = runner.device
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab = runner.cfg.vocab_size
-        tables = torch.arange(batch * self.nb, dtype=torch.long).view(batch, self.nb)
-        self.tables = tables.to(self.dev)  # [batch, nb]
+        tables = torch.arange(max_batch * self.nb, dtype=torch.long).view(max_batch, self.nb)
+        self.tables = tables.to(self.dev)  # [max_batch, nb]
         self.sampler = Sampler(runner.backend)
-        self.requests = [Request([0], BENCH_SAMPLING) for _ in range(batch)]
+        self.requests = [Request([0], BENCH_SAMPLING) for _ in range(max_batch)]
 
     def token_ids(self, n: int) -> torch.Tensor:
         """`n` synthetic token ids (uniform over the vocabulary, seeded)."""
@@ -87,13 +89,13 @@ class LatencyRunner:
             return None
         return self.runner.logits(hidden[torch.tensor(last, device=self.dev)])
 
-    def _plan(self, start: int, end: int) -> list[list[tuple[int, int, int]]]:
-        """Steps of at most `step_tokens` tokens covering positions start..end of every
-        sequence (a step never holds two chunks of one sequence: all but a sequence's last
+    def _plan(self, start: int, end: int, batch: int) -> list[list[tuple[int, int, int]]]:
+        """Steps of at most `step_tokens` tokens covering positions start..end of the first
+        `batch` sequences (a step never holds two chunks of one sequence: all but a sequence's last
         chunk fill a step)."""
         steps: list[list[tuple[int, int, int]]] = [[]]
         used = 0
-        for i in range(self.batch):
+        for i in range(batch):
             for s in range(start, end, self.step_tokens):
                 e = min(end, s + self.step_tokens)
                 if used + e - s > self.step_tokens:
@@ -105,16 +107,16 @@ class LatencyRunner:
 
     def fill_depth(self, depth: int) -> None:
         """K/V of positions 0..depth of every sequence (synthetic tokens, untimed)."""
-        for chunks in self._plan(0, depth):
+        for chunks in self._plan(0, depth, self.max_batch):
             self._step(chunks, -1)
         self._sync()
 
-    def prompt(self, depth: int, n_prompt: int) -> RunTimes:
-        """Prefill `n_prompt` tokens of every sequence after `depth` cached ones, then sample
-        each sequence's first token."""
+    def prompt(self, depth: int, n_prompt: int, batch: int) -> RunTimes:
+        """Prefill `n_prompt` tokens of `batch` sequences after `depth` cached ones, then
+        sample each sequence's first token."""
         steps, rows = [], []
         end = depth + n_prompt
-        for chunks in self._plan(depth, end):
+        for chunks in self._plan(depth, end, batch):
             self._sync()
             t = time.perf_counter()
             logits = self._step(chunks, end)
@@ -123,22 +125,22 @@ class LatencyRunner:
             if logits is not None:
                 rows.append(logits)
         t = time.perf_counter()
-        self.sampler(torch.cat(rows), self.requests)
+        self.sampler(torch.cat(rows), self.requests[:batch])
         sample = time.perf_counter() - t
         return RunTimes(sum(steps), steps, [sample])
 
-    def generate(self, depth: int, n_gen: int) -> RunTimes:
-        """`n_gen` decode steps of one token per sequence from position `depth`, sampling after
-        each."""
+    def generate(self, depth: int, n_gen: int, batch: int) -> RunTimes:
+        """`n_gen` decode steps of one token for each of `batch` sequences from position
+        `depth`, sampling after each."""
         steps, samples = [], []
         for p in range(depth, depth + n_gen):
             self._sync()
             t = time.perf_counter()
-            logits = self._step([(i, p, p + 1) for i in range(self.batch)], p + 1)
+            logits = self._step([(i, p, p + 1) for i in range(batch)], p + 1)
             self._sync()
             t1 = time.perf_counter()
             assert logits is not None
-            self.sampler(logits, self.requests)
+            self.sampler(logits, self.requests[:batch])
             t2 = time.perf_counter()
             steps.append(t1 - t)
             samples.append(t2 - t1)

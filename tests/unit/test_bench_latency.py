@@ -53,10 +53,10 @@ def test_synthetic_steps_attend_to_their_own_sequence(tmp_path: Path) -> None:
                                 qtype=QT.Q4_0))
     model = load_gguf(path, torch.float32).model
     runner = ModelRunner(model, 2 * 3, 16)
-    lr = Recording(runner, batch=2, max_len=48, step_tokens=24)
+    lr = Recording(runner, max_batch=2, max_len=48, step_tokens=24)
     lr.drawn = []
     seqs: list[list[int]] = [[], []]
-    plan = lr._plan(0, 30) + lr._plan(30, 42)
+    plan = lr._plan(0, 30, 2) + lr._plan(30, 42, 2)
     assert any(len(step) == 2 for step in plan)  # a step holding both sequences
     rows = []
     for chunks in plan:
@@ -99,7 +99,7 @@ def test_json_and_jsonl_carry_every_field(capsys: pytest.CaptureFixture[str]) ->
     assert cli_main([*ARGS, "-o", "json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert [(r["test"], r["batch"], r["depth"]) for r in records] == [
-        (t, b, d) for b in (1, 2) for d in (0, 16) for t in ("pp16", "tg4")]
+        (t, b, d) for d in (0, 16) for b in (1, 2) for t in ("pp16", "tg4")]
     for r in records:
         _check_record(r, 2)
     assert cli_main([*ARGS, "-b", "1", "-d", "0", "-o", "jsonl"]) == 0
@@ -134,7 +134,7 @@ def test_csv_md_and_table(capsys: pytest.CaptureFixture[str]) -> None:
 @needs_stories
 def test_ctrl_c_prints_what_was_measured(monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    def interrupted(self: LatencyRunner, depth: int, n: int) -> None:
+    def interrupted(self: LatencyRunner, depth: int, n: int, batch: int) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(LatencyRunner, "generate", interrupted)
