@@ -40,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="backend whose loaded bytes count for the KV fit and the bound "
                    "(auto: triton with a CUDA GPU, else cpu)")
     p.add_argument("--memory", default="8GB", help="memory for weights + KV (default: 8GB)")
-    p.add_argument("--sessions-at", type=int, default=4096, metavar="N",
-                   help="session length for how many concurrent sessions fit (default: 4096)")
+    p.add_argument("--sessions-at", type=int, default=0, metavar="N",
+                   help="session length for how many concurrent sessions fit (default: 4096, "
+                   "or the model's context where shorter)")
     p.add_argument("--context", type=int, default=0, metavar="N",
                    help="context length for FLOPs and the bandwidth bound (default: the "
                    "model's)")
@@ -92,6 +93,7 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
         entries = gguf_entries(gf)
         fmt = "gguf"
     context = context or cfg.context_length
+    sessions_at = sessions_at or min(4096, cfg.context_length)
     if context <= 0 or sessions_at <= 0:
         raise RequestError("--context and --sessions-at must be positive")
     params = {m: sum(e.numel for e in entries if e.module == m) for m in MODULES}
@@ -133,6 +135,8 @@ def _count(n: float) -> str:
 
 
 def render(info: dict[str, Any]) -> str:
+    from localllm.model_stats import MODULES
+
     c, p, w, kv, f, bw = (info[k] for k in ("config", "params", "weights", "kv", "flops",
                                               "bandwidth"))
     lines = [f"{info['model']['path']} ({info['model']['format']}) {c['name']}",
@@ -142,7 +146,7 @@ def render(info: dict[str, Any]) -> str:
              f"{c['context_length']}, RoPE base {c['rope_theta']:g}"
              f"{', tied head' if c['tie_word_embeddings'] else ''}",
              "", f"parameters    {p['total']:,} ({_count(p['total'])})"]
-    for m in ("embeddings", "attention", "mlp", "norms", "head"):
+    for m in MODULES:
         note = " (tied: counted in embeddings)" if m == "head" and c["tie_word_embeddings"] else ""
         lines.append(f"  {m:<12}{p[m]:>14,}{note}")
     lines += ["", f"weights as stored  {_mib(w['stored_total'])}"]
@@ -151,7 +155,7 @@ def render(info: dict[str, Any]) -> str:
                      f"{_mib(s['bytes']):>14}")
     lines.append(f"weights as loaded ({w['dtype']} compute)")
     for b, mods in w["loaded"].items():
-        parts = ", ".join(f"{m} {mods[m] / 2**20:.2f}" for m in mods if m != "total")
+        parts = ", ".join(f"{m} {mods[m] / 2**20:.2f}" for m in MODULES if m in mods)
         lines.append(f"  {b:<8}{_mib(mods['total']):>14}  ({parts} MiB)")
     lines += ["", f"KV cache      {kv['bytes_per_token']:,} bytes/token ({kv['dtype']}); in "
               f"{kv['memory'] / 1e9:g} GB beside the {kv['backend']} weights: "

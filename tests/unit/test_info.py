@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_factory import ModelSpec, vocab, write_model
+from held_bytes import held_bytes
 
 from localllm.apps.cli import main as cli_main
 from localllm.apps.info import model_info, parse_size
@@ -124,30 +125,6 @@ def test_synthetic_quantized_by_hand(tmp_path: Path) -> None:
     assert dec["total"] == 2 * (24576 + 49152) + 2 * 303 * 64 + 4 * 2 * 4 * 16 * 256 == 317312
 
 
-def _held_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct tensor storage a loaded model's weights hold (parameters, and
-    the tensors inside packed weights), RoPE tables left out."""
-    seen: dict[int, int] = {}
-
-    def add(obj: object, depth: int = 0) -> None:
-        if isinstance(obj, torch.Tensor):
-            s = obj.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        elif isinstance(obj, (tuple, list)):
-            for o in obj:
-                add(o, depth)
-        elif depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
-            for o in vars(obj).values():
-                add(o, depth + 1)
-
-    for m in model.modules():
-        for t in m.parameters(recurse=False):
-            add(t)
-        if hasattr(m, "qweight"):
-            add(m.qweight)
-    return sum(seen.values())
-
-
 MIXED = ModelSpec(hidden=256, ffn=256, heads=4, kv_heads=2, layers=1, qtype=QT.Q4_1, tied=True,
                   qtypes={"token_embd.weight": QT.Q4_K, "blk.0.attn_k.weight": QT.Q4_K,
                           "blk.0.attn_output.weight": QT.Q6_K, "blk.0.ffn_up.weight": QT.Q5_0,
@@ -162,7 +139,7 @@ def test_loaded_bytes_match_a_real_load(tmp_path: Path, backend: str) -> None:
     write_model(path, MIXED)
     loaded = load_gguf(path, torch.bfloat16, backend=make_backend("cpu", backend))
     info = _info(path, backend=backend)
-    assert info["weights"]["loaded"][backend]["total"] == _held_bytes(loaded.model)
+    assert info["weights"]["loaded"][backend]["total"] == held_bytes(loaded.model)
 
 
 def test_cli_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,6 +150,7 @@ def test_cli_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert out["bandwidth"]["source"] == "given"
     assert out["bandwidth"]["bytes_per_s"] == 20e9
     assert out["flops"]["context"] == 128
+    assert out["kv"]["session_len"] == 256  # the default 4096, capped by the model's context
     assert cli_main(["info", "--model", str(path), "--memory", "1GiB"]) == 0
     text = capsys.readouterr().out
     assert "parameters    112,832" in text and "KV cache      256 bytes/token" in text
