@@ -30,9 +30,15 @@ def local(stories_path: Path, one_torch_thread: None) -> Iterator[LocalClient]:
     asyncio.run(client.aclose())
 
 
-def test_local_text_matches_llm_generate(local: LocalClient) -> None:
+@pytest.fixture(scope="module")
+def reference(stories_path: Path, one_torch_thread: None) -> LLM:
+    """A second engine for expected outputs: `local`'s engine belongs to its loop thread."""
+    return LLM(stories_path, dtype="float32")
+
+
+def test_local_text_matches_llm_generate(local: LocalClient, reference: LLM) -> None:
     text, last = asyncio.run(collect(local.stream_text(PROMPT, GREEDY)))
-    expected = local.llm.generate([PROMPT], GREEDY)[0]
+    expected = reference.generate([PROMPT], GREEDY)[0]
     assert text == expected.text
     assert last.finish_reason == expected.finish_reason == "length"
     assert last.usage is not None
@@ -71,7 +77,7 @@ def _run_remote(endpoint: str, key: str | None, work: Callable[[RemoteClient], A
     return asyncio.run(run())
 
 
-def test_remote_over_the_socket_equals_local(local: LocalClient,
+def test_remote_over_the_socket_equals_local(reference: LLM,
                                              stories_server: ServeProcess) -> None:
     async def run() -> tuple[tuple[str, object], tuple[str, object], int]:
         remote = await RemoteClient.connect(f"unix:{stories_server.socket}")
@@ -84,16 +90,15 @@ def test_remote_over_the_socket_equals_local(local: LocalClient,
             await remote.aclose()
 
     (text, last), (chat_text, chat_last), count = asyncio.run(run())
-    expected = local.llm.generate([PROMPT], GREEDY)[0]
+    expected = reference.generate([PROMPT], GREEDY)[0]
     assert text == expected.text
     assert last.usage.prompt_tokens == len(expected.prompt_token_ids)  # type: ignore[attr-defined]
     assert last.usage.completion_tokens == 12  # type: ignore[attr-defined]
     assert last.usage.cached_tokens is not None  # type: ignore[attr-defined]
-    ids = local.llm.encode_chat([{"role": "user", "content": "Hi"}])
-    assert chat_text == local.llm.generate([ids], GREEDY)[0].text
+    ids = reference.encode_chat([{"role": "user", "content": "Hi"}])
+    assert chat_text == reference.generate([ids], GREEDY)[0].text
     assert chat_last.usage.prompt_tokens == len(ids)  # type: ignore[attr-defined]
-    # the server has no /tokenize: an estimate that never undercounts
-    assert count >= len(local.llm.tokenizer.encode(PROMPT, add_special=False))
+    assert count == len(reference.tokenizer.encode(PROMPT, add_special=False))  # /tokenize
 
 
 def test_remote_card_and_context_guard(stories_server: ServeProcess) -> None:
@@ -126,3 +131,18 @@ def test_remote_errors_are_one_line(stories_server: ServeProcess, tmp_path: Path
     assert "\n" not in str(e.value)
     with pytest.raises(LocalLLMError, match="unix:/path"):
         _remote("localhost:8080")
+
+
+def test_tokenize_route(stories_server: ServeProcess, local: LocalClient) -> None:
+    with stories_server.http() as http:
+        r = http.post("/tokenize", json={"prompt": PROMPT})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["tokens"] == local.llm.tokenizer.encode(PROMPT, add_special=False)
+        assert body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == local.llm.engine.max_model_len
+        with_bos = http.post("/tokenize", json={"content": PROMPT, "add_special": True}).json()
+        assert with_bos["tokens"] == local.llm.encode(PROMPT)
+        r = http.post("/tokenize", json={"model": "stories260K"})
+        assert r.status_code == 400 and "'prompt'" in r.json()["error"]["message"]
+        assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
