@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from localllm.apps.cache import add_store_args, cache_config
+from localllm.apps.connect import add_endpoint_args
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:  # the functions below import them when called
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--resume", nargs="?", const="", default=None, metavar="NAME",
+                   help="continue a saved conversation (without NAME: the most recent)")
+    c.add_argument("--no-save", action="store_true",
+                   help="do not save the conversation (it is saved after every reply)")
+    add_endpoint_args(c)
 
     from localllm.apps import cache, quantize
     from localllm.apps.serve import add_parser as add_serve_parser
@@ -184,15 +190,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_cache(args)
         if args.command == "chat":
-            import torch
-
             from localllm.apps.chat import run_chat
 
-            # the engine thread computes with all threads; this one loads with one (see
-            # AsyncLLMEngine on OpenMP teams)
-            threads = args.threads or torch.get_num_threads()
-            params = _sampling(args)
-            return run_chat(args, load_llm(args, threads=1), params, threads)
+            return run_chat(args, load_llm, _sampling(args))
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
         return 2
