@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from localllm.apps import chat_commands as commands
-from localllm.apps.chat_store import Conversation, Store, history_path
+from localllm.apps.chat_store import Conversation, Store, check_name, history_path
 from localllm.client import Client, ClientError, ContextOverflow, Delta
 from localllm.config import SamplingParams
 from localllm.errors import LocalLLMError
@@ -100,9 +100,9 @@ class ChatSession:
     """The REPL's state: one conversation, its sampling parameters, the last reply's stats."""
 
     def __init__(self, runner: asyncio.Runner, client: Client, conv: Conversation,
-                 params: SamplingParams, store: Store | None) -> None:
+                 params: SamplingParams, store: Store, autosave: bool = True) -> None:
         self.runner, self.client, self.conv = runner, client, conv
-        self.params, self.store = params, store
+        self.params, self.store, self.autosave = params, store, autosave
         self.last: ReplyStats | None = None
 
     # ------------------------------------------------------------------ replies
@@ -152,7 +152,7 @@ class ChatSession:
 
     def _unanswered(self, why: str) -> None:
         self.conv.pop_turn()
-        note(f"[{why}; the message was not kept: Up brings it back]")
+        note(f"[{why}; the message was not kept]")
 
     async def _fit(self) -> bool:
         """Leave out the oldest turns until the prompt and room for the reply fit the local
@@ -180,13 +180,13 @@ class ChatSession:
         return gone > 0
 
     def save(self) -> None:
-        if self.store is None or not self.conv.messages:
+        if not self.autosave or not self.conv.messages:
             return
         try:
             self.store.save(self.conv)
         except OSError as e:
             note(f"[cannot save conversations: {e}; saving is off for this session]")
-            self.store = None
+            self.autosave = False
 
     # ------------------------------------------------------------------ commands
     def command(self, cmd: str, rest: str) -> bool:
@@ -233,16 +233,14 @@ class ChatSession:
         return True
 
     def _store_command(self, cmd: str, rest: str) -> None:
-        if self.store is None:
-            note("[saving is off (--no-save)]")
-            return
         if cmd == "/list":
             names = self.store.names()
             note("\n".join(names) if names else "[no saved conversations]")
         elif not rest:
             note(f"[{cmd} needs a NAME]")
         elif cmd == "/save":
-            self.conv.name = rest
+            self.conv.name = check_name(rest)
+            self.autosave = True
             path = self.store.save(self.conv)
             note(f"[saved as {rest}: {path}]")
         else:
@@ -250,7 +248,7 @@ class ChatSession:
             note(f"[loaded {rest}: {len(self.conv.messages)} messages]")
 
     def _new_conversation(self, system: str | None) -> None:
-        name = self.store.new_name() if self.store else self.conv.name
+        name = self.store.new_name() if self.autosave else self.conv.name
         self.conv = Conversation(name, system, model=self.conv.model)
 
 
@@ -259,12 +257,10 @@ def _preview(text: str, n: int = 60) -> str:
     return repr(one if len(one) <= n else one[:n] + "...")
 
 
-def start_conversation(args: argparse.Namespace, store: Store | None) -> Conversation:
+def start_conversation(args: argparse.Namespace, store: Store) -> Conversation:
     """The conversation `--resume [NAME]` names (the newest without NAME), else a new one."""
-    if args.resume is None or store is None:
-        if args.resume is not None:
-            raise LocalLLMError("--resume needs saved conversations; drop --no-save")
-        return Conversation(store.new_name() if store else "unsaved", args.system)
+    if args.resume is None:
+        return Conversation(store.new_name(), args.system)
     name = args.resume
     if not name:
         names = store.names()
@@ -282,21 +278,21 @@ def run_chat(args: argparse.Namespace, load: Callable[..., object],
     from localllm.apps.chat_input import PipeInput, TerminalInput
     from localllm.apps.connect import open_client
 
-    store = None if args.no_save else Store()
+    store = Store()
     conv = start_conversation(args, store)
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     with asyncio.Runner() as runner:
         client = runner.run(open_client(args, load))  # type: ignore[arg-type]
         try:
             conv.model = conv.model or client.card.name
-            session = ChatSession(runner, client, conv, params, store)
+            session = ChatSession(runner, client, conv, params, store, not args.no_save)
             if tty:
                 note(f"localllm chat · {client.card.banner()}\n"
                      "/help for commands, Esc-Enter for a new line, Ctrl-D to leave.")
             if args.resume is not None:
                 note(f"[resumed {conv.name}: {len(conv.messages)} messages]")
             reader = (TerminalInput(runner, history_path(),
-                                    store.names if store else list) if tty else PipeInput())
+                                    store.names) if tty else PipeInput())
             return _loop(session, reader.read)
         finally:
             runner.run(client.aclose())

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", nargs="?", const="", default=None, metavar="NAME",
                    help="continue a saved conversation (without NAME: the most recent)")
     c.add_argument("--no-save", action="store_true",
-                   help="do not save the conversation (it is saved after every reply)")
+                   help="do not save the conversation after every reply (/save NAME still "
+                   "does)")
     add_endpoint_args(c)
 
     from localllm.apps import cache, quantize
