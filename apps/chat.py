@@ -11,89 +11,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
-import time
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Callable
 
 from localllm.apps import chat_commands as commands
+from localllm.apps.chat_reply import Reply, ReplyStats
 from localllm.apps.chat_store import Conversation, Store, check_name, history_path
-from localllm.client import Client, ClientError, ContextOverflow, Delta
+from localllm.client import Client, ClientError, ContextOverflow
 from localllm.config import SamplingParams
 from localllm.errors import LocalLLMError
 
 
 def note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class ReplyStats:
-    tokens: int
-    ttft: float | None  # seconds from sending to the first text
-    seconds: float  # sending to the end
-    decode_rate: float  # tokens/s after the first
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    finish: str  # stop, length, interrupted, error
-
-    def line(self) -> str:
-        first = f", first after {self.ttft:.2f} s" if self.ttft is not None else ""
-        return f"[{self.tokens} tokens{first}, {self.decode_rate:.1f} tokens/s]"
-
-    def table(self) -> str:
-        def known(v: object) -> str:
-            return "unknown" if v is None else str(v)
-
-        ttft = "none" if self.ttft is None else f"{self.ttft:.3f} s"
-        rows = [("reply tokens", f"{self.tokens} in {self.seconds:.2f} s ({self.finish})"),
-                ("first token", ttft), ("tokens/s", f"{self.decode_rate:.1f}"),
-                ("prompt tokens", known(self.prompt_tokens)),
-                ("cached tokens", known(self.cached_tokens))]
-        return "\n".join(f"{k:<15}{v}" for k, v in rows)
-
-
-class _Reply:
-    """What one streamed reply has shown so far (kept when it is cancelled)."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.tokens = 0
-        self.start = time.perf_counter()
-        self.first: float | None = None
-        self.prompt_tokens: int | None = None
-        self.cached_tokens: int | None = None
-        self.finish = "stop"
-
-    async def stream(self, client: Client, prompt: list[dict[str, str]],
-                     params: SamplingParams) -> None:
-        # a Client's streams are async generators (typed as iterators): aclose() aborts
-        stream = cast(AsyncGenerator[Delta, None], client.stream_chat(prompt, params))
-        async with contextlib.aclosing(stream) as deltas:
-            async for d in deltas:
-                if d.text:
-                    if self.first is None:
-                        self.first = time.perf_counter()
-                    self.parts.append(d.text)
-                    sys.stdout.write(d.text)
-                    sys.stdout.flush()
-                self.tokens += d.tokens
-                if d.usage is not None:
-                    self.prompt_tokens, self.cached_tokens = (d.usage.prompt_tokens,
-                                                              d.usage.cached_tokens)
-                    self.tokens = d.usage.completion_tokens
-                self.finish = d.finish_reason or self.finish
-
-    def stats(self) -> ReplyStats:
-        end = time.perf_counter()
-        first = self.first
-        rate = ((self.tokens - 1) / (end - first) if first is not None and self.tokens > 1
-                and end > first else 0.0)
-        return ReplyStats(self.tokens, None if first is None else first - self.start,
-                          end - self.start, rate, self.prompt_tokens, self.cached_tokens,
-                          self.finish)
 
 
 class ChatSession:
@@ -115,7 +45,7 @@ class ChatSession:
         if not self.runner.run(self._fit()):
             return
         while True:
-            rep = _Reply()
+            rep = Reply()
             try:
                 self.runner.run(rep.stream(self.client, self.conv.prompt(), self.params))
             except ContextOverflow as e:  # a remote server's word (local: _fit saw to it)
@@ -125,18 +55,17 @@ class ChatSession:
                 continue
             except KeyboardInterrupt:
                 rep.finish = "interrupted"
-                sys.stdout.write("\n")
-                note("[stopped]")
             except ClientError as e:
-                rep.finish = "error"
-                if rep.parts:
-                    sys.stdout.write("\n")
-                note(f"[error: {e}]")
+                rep.finish, rep.error = "error", str(e)
             break
         text = "".join(rep.parts)
-        if rep.finish != "interrupted":
-            sys.stdout.write("\n")
+        if text or rep.finish not in ("interrupted", "error"):
+            sys.stdout.write("\n")  # a reply, even an empty one, is one line on stdout
         sys.stdout.flush()
+        if rep.finish == "interrupted":
+            note("[stopped]")
+        elif rep.error:
+            note(f"[error: {rep.error}]")
         self.last = rep.stats()
         if rep.first is not None:
             note(self.last.line())

@@ -95,6 +95,10 @@ def test_repl_replies_commands_and_resume(tmp_path: Path, stories_path: Path, ll
     assert "conversation name '../x'" in r.command("/save ../x")  # refused, one line
     assert "[saved as story-1:" in r.command("/save story-1")
     assert "story-1" in r.command("/list")
+    assert "[conversation cleared]" in r.command("/reset")
+    assert "[no system prompt]" in r.command("/system")
+    assert f"[loaded story-1: {len(msgs)} messages]" in r.command("/load story-1")
+    assert "Esc-Enter" in r.command("/help") and "/retry" in r.command("/help")
     assert r.leave() == 0  # Ctrl-D
     assert "Hello" in (tmp_path / "state" / "localllm" / "chat_history").read_text()
 
