@@ -140,8 +140,7 @@ class Store:
                 raise ValueError("not a JSON object")
             return Conversation.from_json(data, name)
         except FileNotFoundError:
-            raise LocalLLMError(f"no saved conversation {name!r} in {self.root} "
-                                f"(/list shows them)") from None
+            raise LocalLLMError(f"no saved conversation {name!r} in {self.root}") from None
         except (OSError, ValueError) as e:
             raise LocalLLMError(f"cannot read conversation {path}: {e}") from None
 

@@ -12,6 +12,7 @@ import pytest
 from chat_util import STATS, STORIES_ARGS, chat_env, pipe_chat, saved
 from serve_util import KEY, ServeProcess
 
+from localllm.apps.cli import main
 from localllm.config import SamplingParams
 from localllm.llm import LLM, Message
 
@@ -87,6 +88,27 @@ def test_endpoint_socket_and_tcp_give_the_local_replies(tmp_path: Path, llm: LLM
                      "--api-key", "wrong"], "Hello\n", chat_env(tmp_path))
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("localllm: error: ") and bad.stderr.count("\n") == 1
+
+
+def test_endpoint_with_the_default_models_chat_template(tmp_path: Path,
+                                                       smollm_server: ServeProcess) -> None:
+    proc = pipe_chat(["--temperature", "0", "--max-tokens", "30", "--endpoint",
+                      f"unix:{smollm_server.socket}", "--model", "smollm"],
+                     "What is the capital of France?\n", chat_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and len(STATS.findall(proc.stderr)) == 1
+
+
+def test_resume_of_a_missing_conversation_is_one_line(
+        tmp_path: Path, stories_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in chat_env(tmp_path).items():
+        if name.startswith("XDG_"):
+            monkeypatch.setenv(name, value)
+    for resume in (["--resume", "nope"], ["--resume"], ["--resume", "../x"]):
+        assert main(["chat", "-m", str(stories_path), *resume]) == 2  # before loading
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("localllm: error: ") and err.count("\n") == 1
 
 
 def _guard_checks(proc_err: str, proc_out: str, rc: int) -> None:
