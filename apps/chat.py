@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from localllm.apps import chat_commands as commands
 from localllm.apps.chat_reply import Reply, ReplyStats
@@ -20,6 +21,9 @@ from localllm.apps.chat_store import Conversation, Store, check_name, history_pa
 from localllm.client import Client, ClientError, ContextOverflow
 from localllm.config import SamplingParams
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.apps.connect import LoadFn
 
 
 def note(text: str) -> None:
@@ -202,8 +206,8 @@ def start_conversation(args: argparse.Namespace, store: Store) -> Conversation:
     return conv
 
 
-def run_chat(args: argparse.Namespace, load: Callable[..., object],
-             params: SamplingParams) -> int:
+def run_chat(args: argparse.Namespace, load: LoadFn, params: SamplingParams) -> int:
+    """The chat on the model `load` loads, or on --endpoint; the exit status."""
     from localllm.apps.chat_input import PipeInput, TerminalInput
     from localllm.apps.connect import open_client
 
@@ -211,7 +215,7 @@ def run_chat(args: argparse.Namespace, load: Callable[..., object],
     conv = start_conversation(args, store)
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     with asyncio.Runner() as runner:
-        client = runner.run(open_client(args, load))  # type: ignore[arg-type]
+        client = runner.run(open_client(args, load))
         try:
             conv.model = conv.model or client.card.name
             session = ChatSession(runner, client, conv, params, store, not args.no_save)
@@ -220,6 +224,9 @@ def run_chat(args: argparse.Namespace, load: Callable[..., object],
                      "/help for commands, Esc-Enter for a new line, Ctrl-D to leave.")
             if args.resume is not None:
                 note(f"[resumed {conv.name}: {len(conv.messages)} messages]")
+                if tty and conv.messages:
+                    last = conv.messages[-1]
+                    note(f"[last {last['role']} message: {_preview(last['content'])}]")
             reader = (TerminalInput(runner, history_path(),
                                     store.names) if tty else PipeInput())
             return _loop(session, reader.read)

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--resume", nargs="?", const="", default=None, metavar="NAME",
-                   help="continue a saved conversation (without NAME: the most recent)")
+                   help="continue a saved conversation (without NAME: the most recent; "
+                   "--system replaces its system prompt)")
     c.add_argument("--no-save", action="store_true",
                    help="do not save the conversation after every reply (/save NAME still "
                    "does)")
