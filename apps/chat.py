@@ -78,8 +78,8 @@ class ChatSession:
                              else "stopped before the reply began")
             return
         msg: dict[str, object] = {"role": "assistant", "content": text}
-        if rep.finish == "interrupted":
-            msg["interrupted"] = True
+        if rep.finish in ("interrupted", "error"):
+            msg["interrupted"] = True  # cut short: by Ctrl-C or a failure
         self.conv.messages.append(msg)
         self.save()
 

@@ -51,8 +51,8 @@ def check_name(name: str) -> str:
 class Conversation:
     """The chat's one conversation: `messages` are the user and assistant turns (no system
     message); the model sees the system prompt and `messages[start:]` (the context guard moves
-    `start` past the oldest turns). An assistant message stopped by Ctrl-C has
-    `"interrupted": true`."""
+    `start` past the oldest turns). An assistant message cut short (Ctrl-C, a failed
+    request) has `"interrupted": true`."""
 
     name: str
     system: str | None = None
