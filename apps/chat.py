@@ -248,7 +248,7 @@ def _loop(session: ChatSession, read: Callable[[], str]) -> int:
                 session.send(text)
             elif not session.command(*cmd):
                 return 0
-        except LocalLLMError as e:
+        except (LocalLLMError, OSError) as e:  # a bad command, /save on a full disk
             note(f"[{e}]")
         except KeyboardInterrupt:
             note("[stopped]")
