@@ -3,7 +3,9 @@
 The folder holds `config.json`, `tokenizer.json` (+ `tokenizer_config.json`,
 `generation_config.json`) and `*.safetensors` weights in fp16/bf16/fp32, possibly sharded with
 `model.safetensors.index.json`, or bitsandbytes 4-bit/8-bit weights saved by transformers.
-HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is).
+HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is;
+Phi-3's stacked `qkv_proj` and `gate_up_proj` load as they are). Gemma's norms multiply by
+(1 + w): their weights get the 1 added at load, as llama.cpp's converter stores them.
 
 `quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
 embedding or the LM head) on load, see `localllm.quant.quantize`. Where the backend has a
@@ -30,6 +32,7 @@ from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
+from localllm.hf.config import config_from_hf
 from localllm.hf.weights import SafetensorsFolder
 from localllm.layers.backend import Backend
 from localllm.layers.linear import Linear, replace_module, row_source
@@ -153,7 +156,7 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
     src = str(folder)
     raw = read_config(folder)
     try:
-        cfg = ModelConfig.from_hf_config(raw)
+        cfg = config_from_hf(raw)
         bnb = bnb_method(raw.get("quantization_config"))
     except ModelLoadError as e:
         raise ModelLoadError(f"{src}: {e}") from None
@@ -179,6 +182,8 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
             bnb_weight = bnb is not None and is_bnb_weight(st, hf_name)
             w = dequantize_bnb(st, hf_name) if bnb_weight else st.get(hf_name)
             module = _linear(model, name)
+            if cfg.post_norms and name.endswith("norm.weight"):
+                w = w.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
             if module is not None:
                 _load_linear(model, module, params[name], w, quantize)
             else:

@@ -1,0 +1,99 @@
+"""Every architecture variant against transformers fp32, from the HF checkpoint and from a GGUF
+file of the same weights (`tests/variant_models.py`): Llama-3, linear and YaRN RoPE scaling
+(custom betas, attention factor, mscale), Mistral's sliding window, Gemma 2 (soft-caps,
+alternating local/global layers, post-norms, GELU, embedding scale), Gemma 3 (Q/K norms, 5:1
+local/global layers with their own RoPE bases), Phi-3 (fused projections, LongRoPE, partial
+rotary). The sequences cross the sliding window (8) and the original context (16) several
+times over.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from variant_models import CASES, ORIGINAL, VOCAB, WINDOW, build_hf, write_gguf
+
+from localllm import LLM, SamplingParams
+from localllm.engine.model_runner import prompt_logits
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+transformers.utils.logging.disable_progress_bar()
+
+SEQ = 56  # 7 windows, 3.5 original contexts
+PROMPT, NEW = 20, 12  # greedy: a prompt past the original context, then a window and more
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, object]]:
+    """case -> (HF folder, GGUF file, transformers model in fp32)."""
+    out = {}
+    for case in CASES:
+        folder = tmp_path_factory.mktemp(case)
+        build_hf(folder, case)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32).eval()
+        out[case] = (folder, write_gguf(folder, folder.parent / f"{case}.gguf", hf), hf)
+    return out
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(_hf_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_logits_and_greedy_match_transformers(built, case: str, source: str) -> None:
+    folder, gguf_path, hf = built[case]
+    llm = LLM(folder if source == "hf" else gguf_path, dtype="float32")
+    cfg = llm.config
+    if "window" in case or "gemma" in case:
+        assert cfg.sliding_window == WINDOW and cfg.context_length > WINDOW
+    ids = _ids(SEQ)
+    ref = _hf_logits(hf, ids)
+    ours = prompt_logits(llm.loaded.model, ids)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-4 * max(1.0, ref.abs().max().item()), (case, source, diff)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # one token at a time (decode steps) gives the same logits
+    stepped = prompt_logits(llm.loaded.model, ids, block_size=4, chunk=1)
+    assert (stepped - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    prompt = ids[:PROMPT]
+    out = llm.generate([prompt], SamplingParams(max_tokens=NEW, temperature=0,
+                                                ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, NEW)
+
+
+def test_the_variants_reach_the_model(built) -> None:
+    """What each case is meant to exercise is really in its config (so a parser that drops a
+    key cannot pass the comparison by accident)."""
+    cfgs = {case: LLM(built[case][0], dtype="float32").config for case in
+            ("llama-yarn-custom", "qwen2-yarn-mscale", "gemma2", "gemma3", "phi3-longrope")}
+    yarn = cfgs["llama-yarn-custom"].rope_scaling
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.attention_factor) == (1.0, 0.25, 1.3)
+    assert cfgs["qwen2-yarn-mscale"].rope_scaling.attention_factor == pytest.approx(
+        (0.1 * 1.5 * torch.tensor(8.0).log().item() + 1)
+        / (0.1 * 0.5 * torch.tensor(8.0).log().item() + 1))
+    g2 = cfgs["gemma2"]
+    assert (g2.attn_softcap, g2.final_softcap, g2.sliding_layers) == (1.0, 2.0, (True, False))
+    g3 = cfgs["gemma3"]
+    assert g3.sliding_layers == (True,) * 5 + (False,) and g3.rope_theta_local == 10000.0
+    assert g3.qk_norm and g3.rope_scaling.kind == "linear"
+    phi = cfgs["phi3-longrope"]
+    assert (phi.rope_scaling.kind, phi.rope_scaling.original_context, phi.rope_dim) == (
+        "longrope", ORIGINAL, 8)
