@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import gguf.quants
 import numpy as np
 import torch
 from gguf_factory import BOS_ID, EOS_ID, UNK_ID, VOCAB_SIZE, vocab
@@ -78,10 +79,11 @@ def tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-def build_hf(folder: Path, case: str) -> None:
+def build_hf(folder: Path, case: str, **overrides: Any) -> None:
     import transformers
 
     prefix, extra = CASES[case]
+    extra = {**extra, **overrides}
     conf_cls = getattr(transformers, f"{prefix}TextConfig" if prefix == "Gemma3" else
                        f"{prefix}Config")
     cfg = conf_cls(**{**BASE, **extra})
@@ -126,10 +128,10 @@ def _gguf_name(name: str, arch: str) -> str | None:
     return f"blk.{parts[2]}.{blocks[module]}.{parts[-1]}"
 
 
-def write_gguf(folder: Path, path: Path, hf_model: torch.nn.Module) -> Path:
-    """The checkpoint in `folder` as a GGUF file at `path` (fp32 tensors); `hf_model` is the
-    loaded transformers model (its RoPE module gives Llama-3 factors and the attention
-    factor, as the converter computes them)."""
+def write_gguf(folder: Path, path: Path, hf_model: torch.nn.Module, q8: bool = False) -> Path:
+    """The checkpoint in `folder` as a GGUF file at `path` (fp32 tensors; `q8`: matrices as
+    Q8_0); `hf_model` is the loaded transformers model (its RoPE module gives Llama-3 factors
+    and the attention factor, as the converter computes them)."""
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -201,7 +203,11 @@ def write_gguf(folder: Path, path: Path, hf_model: torch.nn.Module) -> Path:
             t = t + 1.0
         tensors[target] = t.numpy()
     for name, array in tensors.items():
-        w.add_tensor(name, array)
+        if q8 and array.ndim == 2:
+            qt = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(array, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

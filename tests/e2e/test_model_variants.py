@@ -97,3 +97,46 @@ def test_the_variants_reach_the_model(built) -> None:
     phi = cfgs["phi3-longrope"]
     assert (phi.rope_scaling.kind, phi.rope_scaling.original_context, phi.rope_dim) == (
         "longrope", ORIGINAL, 8)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_follows_fp32(built, case: str) -> None:
+    """bf16 compute (the CPU backend's native small ops where they run; windowed or
+    soft-capped attention in PyTorch) stays near transformers' fp32 logits."""
+    folder, _, hf = built[case]
+    llm = LLM(folder, dtype="bfloat16")
+    ids = _ids(SEQ, seed=3)
+    ref = _hf_logits(hf, ids)
+    for chunk in (0, 1):
+        ours = prompt_logits(llm.loaded.model, ids, chunk=chunk)
+        rel = ((ours - ref).norm() / ref.norm()).item()
+        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert rel < 0.05 and top1 > 0.9, (case, chunk, rel, top1)
+
+
+def test_whole_step_fast_path_only_for_plain_layers(tmp_path: Path) -> None:
+    """The native one-call decode stays on for Llama-style layers (Phi-3's too: fused
+    projections, LongRoPE and partial rotary are in the tables and shapes it takes) and is
+    declined for layers whose features it lacks (window, soft-cap, post-norms, GELU, two RoPE
+    bases)."""
+    from localllm.backends.cpu.whole_step import build_stack
+    from localllm.kernels import cpu_native
+
+    for case in CASES:
+        # Q8_0 matrices the stack packs, with 64-row K/V projections it can stack with Q
+        folder = tmp_path / case
+        folder.mkdir()
+        build_hf(folder, case, num_key_value_heads=4)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        path = write_gguf(folder, folder / "q8.gguf", hf, q8=True)
+        model = LLM(path, dtype="bfloat16").loaded.model
+        layout = model.decoder_layout()
+        assert layout.plain() == case.startswith(("llama", "qwen2", "phi3")), case
+        # qwen2's Q/K/V biases keep it off the stack, as before
+        fast = case.startswith(("llama", "phi3")) and cpu_native.available()
+        assert (build_stack(layout) is not None) == fast, case
+        if fast:  # decode steps through the stack compute the same model
+            ids = _ids(SEQ, seed=4)
+            ref = _hf_logits(hf.float().eval(), ids)
+            ours = prompt_logits(model, ids, chunk=1)
+            assert ((ours - ref).norm() / ref.norm()).item() < 0.05, case
