@@ -21,15 +21,35 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"
                     "Phi3ForCausalLM": "phi3"}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# Gemma3TextConfig's defaults: a multimodal Gemma 3 config.json lists only what differs
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6)
+MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", GEMMA3_TEXT_DEFAULTS)}
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """The model's config; of a multimodal checkpoint (Gemma 3 4B+), its text model's (the
+    loader reads the text model's tensors only)."""
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ModelLoadError("config.json names no architecture ('architectures' is missing)")
+    if archs[0] in MULTIMODAL:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"config.json: {archs[0]} without a text_config")
+        causal, defaults = MULTIMODAL[archs[0]]
+        tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        cfg = {**defaults, **text, "architectures": [causal], "tie_word_embeddings": tied,
+               "_name_or_path": cfg.get("_name_or_path", "")}
+        archs = cfg["architectures"]
     arch = HF_ARCHITECTURES.get(archs[0])
     if arch is None:
-        raise ModelLoadError(unsupported_architecture(archs[0], list(HF_ARCHITECTURES)))
+        raise ModelLoadError(unsupported_architecture(archs[0], [*HF_ARCHITECTURES,
+                                                                 *MULTIMODAL]))
     gemma = arch in _GEMMA_PATTERN
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:

@@ -237,7 +237,8 @@ def test_bad_folders(folders: dict[str, Path], tmp_path: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     _expect_error(bad, r"unsupported architecture 'GPT2LMHeadModel' \(supported: "
-                  "Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                  "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+                  "LlamaForCausalLM, MistralForCausalLM, "
                   r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)")
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
     _expect_error(bad, "config.json says 1 layers")

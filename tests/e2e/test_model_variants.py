@@ -140,3 +140,47 @@ def test_whole_step_fast_path_only_for_plain_layers(tmp_path: Path) -> None:
             ref = _hf_logits(hf.float().eval(), ids)
             ours = prompt_logits(model, ids, chunk=1)
             assert ((ours - ref).norm() / ref.norm()).item() < 0.05, case
+
+
+def test_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
+    """Gemma 3 4B+ checkpoints are `Gemma3ForConditionalGeneration`: the text model's config
+    sits in `text_config` (perhaps only what differs from the defaults) and its tensors under
+    `language_model.model.` (as saved) or `model.language_model.` (transformers 5's module
+    names); the vision tower is ignored. Text-only logits equal transformers'."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from variant_models import BASE, GEMMA, tokenizer
+
+    text = transformers.Gemma3TextConfig(**{**BASE, **GEMMA, "num_hidden_layers": 6})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=4)
+    torch.manual_seed(5)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.1 if "norm" in name else 0.15)
+    saved = tmp_path / "saved"
+    hf.save_pretrained(saved)
+    tokenizer(saved)
+    ids = _ids(SEQ, seed=6)
+    ref = _hf_logits(hf, ids)
+    tensors = load_file(str(saved / "model.safetensors"))
+    assert any(n.startswith("language_model.model.layers.") for n in tensors)
+    renamed = tmp_path / "renamed"  # transformers 5's in-memory names, and a sparse config
+    renamed.mkdir()
+    save_file({n.replace("language_model.model.", "model.language_model."): t
+               for n, t in tensors.items()}, str(renamed / "model.safetensors"))
+    raw = json.loads((saved / "config.json").read_text())
+    for key in ("rms_norm_eps", "hidden_activation", "rope_parameters", "layer_types"):
+        del raw["text_config"][key]  # the defaults give the same
+    (renamed / "config.json").write_text(json.dumps(raw))
+    tokenizer(renamed)
+    for folder in (saved, renamed):
+        llm = LLM(folder, dtype="float32")
+        assert llm.config.arch == "gemma3" and llm.config.sliding_layers[-1] is False
+        ours = prompt_logits(llm.loaded.model, ids)
+        assert (ours - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
