@@ -135,8 +135,8 @@ class ModelConfig:
     def kv_window(self) -> int:
         """The positions every layer of a sequence may still read back: the window when all
         layers slide, else 0 (some layer keeps everything)."""
-        return min(self.layer_window(i) for i in range(self.num_layers)) and max(
-            self.layer_window(i) for i in range(self.num_layers))
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return 0 if 0 in windows else max(windows)
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 4 << 30

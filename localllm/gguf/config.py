@@ -72,10 +72,8 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_fallback: int = 0,
                  else n_vocab_fallback)
     gemma = arch in ("gemma2", "gemma3")
     window = get("attention.sliding_window", 4096 if arch == "gemma2" else 0)
-    pattern = get("attention.sliding_window_pattern", SLIDING_PATTERN.get(arch, 1))
-    sliding: tuple[bool, ...] = ()
-    if window and pattern > 1:
-        sliding = tuple(i % pattern < pattern - 1 for i in range(num_layers))
+    sliding = _sliding_layers(meta.get(f"{arch}.attention.sliding_window_pattern"), arch,
+                              num_layers) if window else ()
     scale = 0.0
     if gemma and num_layers == GEMMA_27B_LAYERS[arch]:
         scale = (hidden / num_heads) ** -0.5
@@ -113,6 +111,18 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_fallback: int = 0,
                           if arch == "gemma3" and window else 0.0),
         fused_projections=arch == "phi3",
     )
+
+
+def _sliding_layers(pattern: Any, arch: str, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether it slides; () = every layer. `pattern` is the key's value: n (the
+    last layer of every n is global), a list of per-layer flags, or None (the arch's own)."""
+    key = f"GGUF key '{arch}.attention.sliding_window_pattern'"
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{key} has {len(pattern)} entries for {num_layers} layers")
+        return tuple(bool(x) for x in pattern)
+    n = SLIDING_PATTERN.get(arch, 1) if pattern is None else number(pattern, int, key)
+    return tuple(i % n < n - 1 for i in range(num_layers)) if n > 1 else ()
 
 
 def _scaling(arch: str, get: Any, context: int) -> RopeScaling:
