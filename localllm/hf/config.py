@@ -154,6 +154,7 @@ def _sliding(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, tupl
 def _rope_scaling(rope: dict[str, Any], original: Any, context: int) -> RopeScaling:
     """RoPE scaling from HF `rope_parameters` / `rope_scaling`; unsupported variants raise."""
     kind = rope.get("rope_type", rope.get("type")) or "default"
+    kind = {"su": "longrope"}.get(kind, kind)  # early Phi-3-128k configs
     if kind == "default":
         return RopeScaling()
     if kind not in ("linear", "llama3", "yarn", "longrope"):
