@@ -90,7 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
         self.store = open_store(cache, store_identity(loaded, self.runner), self.runner)
         self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint,
-                               store=self.store)
+                               store=self.store, kv_window=loaded.config.kv_window())
         # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
