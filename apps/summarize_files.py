@@ -48,7 +48,7 @@ class Unreadable(Exception):
 
 
 def _globs(patterns: Sequence[str]) -> pathspec.PathSpec | None:
-    return pathspec.PathSpec.from_lines("gitwildmatch", patterns) if patterns else None
+    return pathspec.GitIgnoreSpec.from_lines(patterns) if patterns else None
 
 
 def _rel_name(path: str) -> PurePosixPath:
