@@ -162,6 +162,9 @@ def test_failed_file_exits_1_and_a_rerun_retries_only_it(
     err = capsys.readouterr().err
     assert "[3 unchanged since the last run, skipped]" in err
     assert len(clients[1].users) == 1 and "fine now" in clients[1].users[0]
+    # other settings: everything again
+    assert main([*argv, "--max-words", "5"]) == 0
+    assert "unchanged since" not in capsys.readouterr().err and len(clients[2].users) == 4
     # bad usage: 2, with a one-line error
     assert main(["summarize", str(docs), "--concurrency", "0"]) == 2
     assert capsys.readouterr().err.strip() == (
