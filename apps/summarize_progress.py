@@ -4,11 +4,19 @@ Skip and failure lines go above the bar."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
 
 from tqdm import tqdm
+
+
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
 
 
 class Progress:
@@ -18,7 +26,9 @@ class Progress:
         self.t0 = time.perf_counter()
         self.bar: tqdm | None = None
         if total and self.stream.isatty():
-            self.bar = tqdm(total=total, unit="file", file=self.stream, dynamic_ncols=True,
+            sized = _columns(self.stream) > 0  # a pseudo-terminal may have no size
+            self.bar = tqdm(total=total, unit="file", file=self.stream, dynamic_ncols=sized,
+                            ncols=None if sized else 100, nrows=None if sized else 24,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} files "
                             "[{elapsed}<{remaining}{postfix}]")
 

@@ -4,6 +4,7 @@ the command's exit status and rerun logic around a failing request."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from localllm.apps import summarize_run
 from localllm.apps.cli import main
+from localllm.apps.summarize_progress import Progress
 from localllm.apps.summarize_split import Summarizer, pack
 from localllm.client.base import Client, ClientError, Delta, Message, Usage
 from localllm.config import SamplingParams
@@ -190,3 +192,27 @@ def test_stdout_keeps_input_order_and_json_is_one_document(
     doc = json.loads(capsys.readouterr().out)
     assert [e["input"] for e in doc["files"]] == list(map(str, files))
     assert all(e["summary"].startswith("sum") for e in doc["files"])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise() -> None:
+    term = _Terminal()
+    bar = Progress(3, term)
+    bar.say("localllm: skipped x: empty")
+    for i in range(3):
+        bar.finished(f"f{i}", "5 tokens, 0.1 s", output_tokens=5 * (i + 1))
+    bar.close()
+    shown = term.getvalue()
+    assert "localllm: skipped x: empty\n" in shown
+    assert "3/3 files [" in shown and "tokens/s]" in shown and "<" in shown
+    assert "[1/3] f0" not in shown
+    plain = io.StringIO()
+    lines = Progress(2, plain)
+    lines.finished("a.txt", "5 tokens, 0.1 s", 5)
+    lines.failed("b.txt", "the server failed the request")
+    assert plain.getvalue() == ("[1/2] a.txt: 5 tokens, 0.1 s\n"
+                                "localllm: failed b.txt: the server failed the request\n")
