@@ -168,8 +168,8 @@ def test_ctrl_c_keeps_finished_files_and_says_how_to_continue(tmp_path: Path,
 def test_endpoint_of_a_live_server(capsys: pytest.CaptureFixture[str], docs: Path,
                                    smollm_server: ServeProcess, tmp_path: Path) -> None:
     """The same folder through `serve`'s socket: the long file is split on the server's
-    context (2048) with token counts estimated, and short files read as locally."""
-    (docs / "long.txt").write_text(_long_text() * 4)
+    context (2048) with its /tokenize counts, and short files read as locally."""
+    (docs / "long.txt").write_text(_long_text() * 8)  # about 2,900 tokens
     out = tmp_path / "remote"
     rc, _, err = cli(capsys, "summarize", str(docs), "--out", str(out),
                      "--endpoint", f"unix:{smollm_server.socket}", "--max-words", "8")
