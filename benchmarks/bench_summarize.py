@@ -26,9 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from localllm import LLM, CacheConfig, SamplingParams  # noqa: E402
 from localllm.apps.summarize_split import Summarizer, default_instruction  # noqa: E402
 from localllm.client.local import LocalClient  # noqa: E402
+from localllm.config import CacheConfig, SamplingParams  # noqa: E402
+from localllm.llm import LLM  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 SUBJECTS = ["the town library", "a river ferry", "the school garden", "a night train",
