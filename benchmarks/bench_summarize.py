@@ -7,7 +7,8 @@ Both runs summarize the same files (distinct texts of about 250 tokens each) thr
 LocalClient and the Summarizer that `localllm summarize` runs, with its prompt and greedy
 sampling: once with every file in flight (concurrency = --files) and once with concurrency 1.
 File reading and writing are left out (they take microseconds). Prints files/s and output
-tokens/s of each and their ratio; --repeat keeps each run's best; --json saves the figures.
+tokens/s of each and their ratio; --repeat keeps each run's best; --json saves the figures
+and the 1-minute load average before and after (other work on the machine slows both runs).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -72,6 +74,7 @@ async def summarize_all(client: LocalClient, files: list[tuple[str, str]], concu
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     path = resolve_model(args.model)
     llm = LLM(path, dtype=args.dtype, cache=CacheConfig(prefix_cache=False), num_threads=1)
     client = LocalClient(llm, num_threads=args.threads)
@@ -93,6 +96,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     at_once, one = best[args.files], best[1]
     return {"model": path.name, "dtype": args.dtype, "threads": args.threads,
             "files": args.files, "max_words": args.max_words,
+            "load_average_1min": [load_before, os.getloadavg()[0]],  # before, after
             "max_tokens": params.max_tokens,
             "mean_prompt_tokens": sum(p or 0 for p in prompt_tokens) / len(files),
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
