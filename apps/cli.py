@@ -82,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "does)")
     add_endpoint_args(c)
 
-    from localllm.apps import cache, quantize
+    from localllm.apps import cache, quantize, summarize
     from localllm.apps.serve import add_parser as add_serve_parser
 
     quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
+    summarize.add_parser(sub, _model_args, _sampling_args)
     cache.add_parser(sub)
     return parser
 
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.serve import cmd_serve
 
             return cmd_serve(args, load_llm)
+        if args.command == "summarize":
+            from localllm.apps.summarize import cmd_summarize
+
+            return cmd_summarize(args, load_llm)
         if args.command == "cache":
             from localllm.apps.cache import cmd_cache
 
