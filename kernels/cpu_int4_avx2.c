@@ -96,41 +96,50 @@ static inline __attribute__((always_inline)) void group_row(
     }
 }
 
-/* tile t (64 output rows) for the M rows of x; ybuf: fp32 [tiles][M][64] scratch */
+#define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
+
+/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time */
 static inline __attribute__((always_inline)) void tile8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
-    int64_t t, float *ybuf, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    int64_t t, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
     const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
     const float bias = USE_LUT ? 0.0f : 8.0f;
     float wbuf[32 * TILE] __attribute__((aligned(32)));
-    float *out = ybuf + t * M * TILE; /* [M][64] running sums of this tile */
-    for (int64_t i = 0; i < M * TILE; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64] running sums */
     const uint8_t *tile = packed + t * tile_bytes;
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 sc[8], zz[8];
-        for (int i = 0; i < 8; i++) sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
-        const uint8_t *gcols = tile + g * GS * 32;
-        for (int l = 0; l < GS * 32; l += 64)
-            _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, _MM_HINT_T0);
-        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
-        if (M == 1) {
-            group_row(gcols, NULL, x + kx, sc, zz, xsum[g], out, GS, USE_LUT, lut0, lut1);
-            continue;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+        for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 sc[8], zz[8];
+            for (int i = 0; i < 8; i++)
+                sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
+            const uint8_t *gcols = tile + g * GS * 32;
+            for (int l = 0; l < GS * 32; l += 64)
+                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, _MM_HINT_T0);
+            const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+            const float *xs = xsum + m0 * groups + g;
+            if (mc == 1) {
+                group_row(gcols, NULL, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT,
+                          lut0, lut1);
+                continue;
+            }
+            for (int k = 0; k < GS; k++) {
+                __m256 w[8];
+                column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
+            }
+            for (int64_t m = 0; m < mc; m++)
+                group_row(gcols, wbuf, x + (m0 + m) * ldx + kx, sc, zz, xs[m * groups],
+                          out + m * TILE, GS, USE_LUT, lut0, lut1);
         }
-        for (int k = 0; k < GS; k++) {
-            __m256 w[8];
-            column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
-            for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
-        }
-        for (int64_t m = 0; m < M; m++)
-            group_row(gcols, wbuf, x + m * ldx + kx, sc, zz, xsum[m * groups + g],
-                      out + m * TILE, GS, USE_LUT, lut0, lut1);
+        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < mc; m++)
+            for (int64_t r = 0; r < rows; r += 8)
+                store_bf16_n(y + (m0 + m) * ldy + n0 + r, _mm256_load_ps(out + m * TILE + r),
+                             rows - r);
     }
-    const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t r = 0; r < rows; r += 8)
-            store_bf16_n(y + m * ldy + n0 + r, _mm256_loadu_ps(out + m * TILE + r), rows - r);
 }
 
 /* int4_mm of cpu_kernels.h */
@@ -141,12 +150,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     const Scales sz = {sz_p, n_pad, K / gs, half_scales != 0, (int)planes};
     const int64_t K2 = planes * K, groups = K2 / gs;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
-    float *ybuf = malloc(sizeof(float) * (size_t)(M * n_pad));
-    if (!xsum || !ybuf) {
-        free(xsum);
-        free(ybuf);
-        return -1;
-    }
+    if (!xsum) return -1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *xg = x + m * ldx + (g * gs) % K;
@@ -169,16 +173,15 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n_pad / TILE; t++) {
         if (gs == 32 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, ybuf, 32, 0, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
         else if (gs == 16 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, ybuf, 16, 0, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
         else if (gs == 32)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, ybuf, 32, 1, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
         else
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, ybuf, 16, 1, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
     }
     free(xsum);
-    free(ybuf);
     return 0;
 }
 
