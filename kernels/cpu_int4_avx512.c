@@ -9,6 +9,7 @@
  * threads by tiles.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "cpu_int4.h"
@@ -225,48 +226,62 @@ static inline __attribute__((always_inline)) void tile_rows8(
     }
 }
 
+/* nt (1 or 2) consecutive tiles from tile t for the M rows of x (operands of int4_mm_avx512) */
+static inline __attribute__((always_inline)) void tile_unit(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
+    int64_t t, int64_t nt, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
+    float out[8 * TILE];
+    const uint8_t *tile = packed + t * tile_bytes;
+    const int64_t row0 = t * TILE;
+    for (int64_t m = 0; m < M;) {
+        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        const uint16_t *xm = x + m * ldx;
+        const float *xs = xsum + m * groups;
+        if (mr == 8)
+            tile_rows8(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
+        else if (mr == 4)
+            tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
+        else if (nt == 2)
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
+                       USE_LUT, lut, lut_lo);
+        else if (mr == 2)
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
+                       USE_LUT, lut, lut_lo);
+        else
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
+                       USE_LUT, lut, lut_lo);
+        /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t j = 0; j < mr; j++)
+                for (int64_t r = 0; r < rows; r += 16)
+                    store_floats_bf16(out + (i * mr + j) * TILE + r,
+                                      y + (m + j) * ldy + n0 + r, rows - r);
+        }
+        m += mr;
+    }
+}
+
 /* All tiles for the M rows of x, with groups of GS columns (operands of int4_mm_avx512). */
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
     int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
-    const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
+    const int64_t tiles = n_pad / TILE;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
-     * more rows: one tile at a time, rows eight (then four, two, one) at a time */
-    const int64_t step = M == 1 ? 2 : 1, units = (tiles + step - 1) / step;
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        float out[8 * TILE];
-        const int64_t t = u * step, nt = tiles - t < step ? tiles - t : step;
-        const uint8_t *tile = packed + t * tile_bytes;
-        const int64_t row0 = t * TILE;
-        for (int64_t m = 0; m < M;) {
-            const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-            const uint16_t *xm = x + m * ldx;
-            const float *xs = xsum + m * groups;
-            if (mr == 8)
-                tile_rows8(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
-            else if (mr == 4)
-                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
-            else if (nt == 2)
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
-                           USE_LUT, lut, lut_lo);
-            else if (mr == 2)
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
-                           USE_LUT, lut, lut_lo);
-            else
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
-                           USE_LUT, lut, lut_lo);
-            /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                for (int64_t j = 0; j < mr; j++)
-                    for (int64_t r = 0; r < rows; r += 16)
-                        store_floats_bf16(out + (i * mr + j) * TILE + r,
-                                          y + (m + j) * ldy + n0 + r, rows - r);
-            }
-            m += mr;
-        }
+     * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
+     * takes an equal share of tiles (9 tiles on 2 threads: 4 and 5, where pairs of tiles as
+     * the unit of a static schedule gave 6 and 3) */
+    const int64_t step = M == 1 ? 2 : 1;
+#pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t t_end = tiles * (id + 1) / nth;
+        for (int64_t t = tiles * id / nth; t < t_end; t += step)
+            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
+                      t_end - t < step ? t_end - t : step, GS, USE_LUT, lut, lut_lo);
     }
 }
 
