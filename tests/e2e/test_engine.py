@@ -293,8 +293,9 @@ SMOLLM_TEXTS = [
 def test_bf16_default_model_batched_matches_alone(smollm_path: Path, cpu_path: str) -> None:
     """Without AMX decode (the default) a request's greedy bf16 tokens on the default model
     are the same alone and in a batch with staggered arrivals, with either build of the
-    native kernels (every decoding row's sums run in one order whatever the batch). LOCALLLM_AMX=1 gives this up
-    for batch speed (`cpu_native.amx_enabled`), so the test turns it off where it is on."""
+    native kernels (every decoding row's sums run in one order whatever the batch).
+    LOCALLLM_AMX=1 gives this up for batch speed (`cpu_native.amx_enabled`), so the test turns
+    it off where it is on."""
     amx = cpu_native.amx_enabled()
     if amx:
         cpu_native.set_amx(False)
