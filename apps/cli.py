@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from localllm.apps.cache import add_store_args, cache_config
+from localllm.apps.connect import add_endpoint_args
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:  # the functions below import them when called
@@ -73,12 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--resume", nargs="?", const="", default=None, metavar="NAME",
+                   help="continue a saved conversation (without NAME: the most recent; "
+                   "--system replaces its system prompt)")
+    c.add_argument("--no-save", action="store_true",
+                   help="do not save the conversation after every reply (/save NAME still "
+                   "does)")
+    add_endpoint_args(c)
 
-    from localllm.apps import bench, cache, info, quantize
+    from localllm.apps import bench, cache, info, quantize, summarize
     from localllm.apps.serve import add_parser as add_serve_parser
 
     quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
+    summarize.add_parser(sub, _model_args, _sampling_args)
     cache.add_parser(sub)
     info.add_parser(sub)
     bench.add_parser(sub, _model_args)
@@ -181,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             from localllm.apps.serve import cmd_serve
 
             return cmd_serve(args, load_llm)
+        if args.command == "summarize":
+            from localllm.apps.summarize import cmd_summarize
+
+            return cmd_summarize(args, load_llm)
         if args.command == "cache":
             from localllm.apps.cache import cmd_cache
 
@@ -194,15 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_bench(args)
         if args.command == "chat":
-            import torch
-
             from localllm.apps.chat import run_chat
 
-            # the engine thread computes with all threads; this one loads with one (see
-            # AsyncLLMEngine on OpenMP teams)
-            threads = args.threads or torch.get_num_threads()
-            params = _sampling(args)
-            return run_chat(args, load_llm(args, threads=1), params, threads)
+            return run_chat(args, load_llm, _sampling(args))
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
         return 2

@@ -69,8 +69,10 @@ def _auto_backend(name: str) -> str:
 def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_at: int,
                context: int, bandwidth: float | None) -> dict[str, Any]:
     """Every figure of `localllm info` as plain values (bytes, counts, FLOPs, bytes/s)."""
-    from localllm.config import DTYPES, ModelConfig
+    from localllm.config import DTYPES
+    from localllm.gguf.config import config_from_gguf
     from localllm.gguf.reader import GGUFFile
+    from localllm.hf.config import config_from_hf
     from localllm.hf.loader import read_config
     from localllm.model_stats import (
         MODULES,
@@ -84,12 +86,12 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
 
     dtype = DTYPES[dtype_name]
     if path.is_dir():
-        cfg = ModelConfig.from_hf_config(read_config(path))
+        cfg = config_from_hf(read_config(path))
         entries = hf_entries(path, cfg.tie_word_embeddings)
         fmt = "huggingface"
     else:
         gf = GGUFFile(path)
-        cfg = ModelConfig.from_gguf_metadata(gf.metadata, has_output="output.weight" in gf.tensors)
+        cfg = config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors)
         entries = gguf_entries(gf)
         fmt = "gguf"
     context = context or cfg.context_length

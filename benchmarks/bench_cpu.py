@@ -6,6 +6,10 @@
 Prefill: tokens/s of one forward pass over a prompt of --prompt-tokens tokens (pp512).
 Decode: tokens/s of --decode-tokens greedy steps after a short prompt (tg128).
 Each figure is the best of --repeat runs after one warm-up. Ratios are localllm / other.
+Bandwidth: the machine's DRAM read bandwidth (a sum over a --bandwidth-mib buffer, far larger
+than the caches, with --threads threads) beside what decode reads: the bytes of every weight a
+token reads (the packed projections and the LM head, norms; not the embedding rows) times
+decode tokens/s, and their ratio (target >= 80%).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from llama_ref import in_child, open_llama  # noqa: E402
 from localllm import LLM, CacheConfig, SamplingParams  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
 from localllm.engine.model_runner import kv_bytes_per_token  # noqa: E402
+from localllm.kernels import cpu_native  # noqa: E402
+from localllm.layers.linear import LinearBase, QuantLinear  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the budget "
@@ -87,6 +93,50 @@ def kv_blocks_touched(llm: LLM) -> int:
     return bm.num_blocks - untouched
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def read_bandwidth_gbs(mib: int, repeat: int = 5) -> float:
+    """DRAM read bandwidth in GB/s: the best of `repeat` sums over a buffer of `mib` MiB
+    (after one warm-up pass that also faults its pages in)."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def decode_bytes_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes one decode token reads: every linear layer's weight once (a tied LM head
+    counts once, as the head; an untied embedding table is only indexed, so it is left out)
+    and the other parameters (norms)."""
+    embed = getattr(model, "embed_tokens", None)
+    tied = embed is not None and getattr(model, "lm_head", None) is embed
+    seen: set[int] = set()
+    total = 0
+    for mod in model.modules():
+        if id(mod) in seen or (mod is embed and not tied):
+            continue
+        seen.add(id(mod))
+        if isinstance(mod, QuantLinear):
+            total += mod.qweight.nbytes + sum(p.numel() * p.element_size()
+                                              for p in mod.parameters(recurse=False))
+        elif isinstance(mod, LinearBase) or not list(mod.children()):
+            total += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+    return total
+
+
 def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
                    repeat: int) -> dict[str, float]:
     base = rss_mib()
@@ -124,7 +174,8 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int,
         tg.append((times[-1] - times[0]) / (len(times) - 1))
         sample()
     kv_bytes = kv_bytes_per_token(llm.config, llm.engine.runner.model.dtype)
-    return {"load_s": load, "load_to_first_token_s": first_token,
+    return {"decode_bytes_per_token": decode_bytes_per_token(llm.engine.runner.model),
+            "load_s": load, "load_to_first_token_s": first_token,
             "prefill_tok_s": n_prompt / min(pp[1:]), "decode_tok_s": 1 / min(tg[1:]),
             "peak_rss_mib": peak_rss_mib(), "baseline_rss_mib": base,
             "anon_above_baseline_mib": anon_peak,
@@ -194,13 +245,15 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--transformers", action="store_true", help="also run transformers bf16")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024,
+                    help="buffer size of the read-bandwidth measurement (0: skip it)")
     ap.add_argument("--json", default=None, help="write results to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     results: dict[str, dict[str, float]] = {}
     print(f"model {path.name}, {args.threads} threads, pp{args.prompt_tokens} / "
-          f"tg{args.decode_tokens}", file=sys.stderr)
+          f"tg{args.decode_tokens}, native kernels: {cpu_native.isa() or 'off'}", file=sys.stderr)
     results["localllm"] = bench_localllm(path, args.dtype, args.prompt_tokens,
                                          args.decode_tokens, args.repeat)
     ids = results["localllm"].pop("ids")  # type: ignore[assignment]
@@ -216,6 +269,8 @@ def main() -> None:
                                                 args.prompt_tokens, args.decode_tokens,
                                                 args.repeat, ids)
     ours = results["localllm"]
+    bandwidth = read_bandwidth_gbs(args.bandwidth_mib) if args.bandwidth_mib else 0.0
+    ours["read_bandwidth_gbs"] = bandwidth
     print(f"{'system':<20}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak MiB':>10}"
           f"{'ours/pp':>9}{'ours/tg':>9}")
     for name, r in results.items():
@@ -223,9 +278,16 @@ def main() -> None:
               f"{r['peak_rss_mib']:>10.0f}"
               f"{ours['prefill_tok_s'] / r['prefill_tok_s']:>9.2f}"
               f"{ours['decode_tok_s'] / r['decode_tok_s']:>9.2f}")
+    print(f"CPU: {cpu_model()}")
     print(f"localllm: load {ours['load_s']:.2f} s, load to first token "
           f"{ours['load_to_first_token_s']:.2f} s, peak RSS {ours['peak_rss_mib']:.0f} MiB "
           f"({args.dtype})")
+    decode_gbs = ours["decode_bytes_per_token"] * ours["decode_tok_s"] / 1e9
+    if bandwidth:
+        print(f"bandwidth: read {bandwidth:.1f} GB/s ({args.bandwidth_mib} MiB sum, "
+              f"{args.threads} threads); decode reads {ours['decode_bytes_per_token'] / 1e6:.1f} "
+              f"MB/token x {ours['decode_tok_s']:.1f} tok/s = {decode_gbs:.1f} GB/s = "
+              f"{decode_gbs / bandwidth:.0%} of it (target >= 80%)")
     file_mib = path.stat().st_size / 2**20
     model_peak = ours["peak_rss_mib"] - ours["baseline_rss_mib"]
     print(f"localllm memory: file {file_mib:.0f} MiB; peak above the process with torch "
@@ -239,7 +301,8 @@ def main() -> None:
           f"pool (a shared anonymous map) {ours['kv_used_mib']:.0f} MiB; pages of mapped files "
           f"(library code touched on first use) {ours['file_pages_above_baseline_mib']:.0f} MiB")
     if args.json:
-        meta = {"machine": platform.processor() or platform.machine(),
+        meta = {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
+                "native_isa": cpu_native.isa(),
                 "cpus": torch.get_num_threads(), "torch": torch.__version__,
                 "python": platform.python_version(), "model": path.name}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))

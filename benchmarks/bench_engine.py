@@ -8,9 +8,11 @@ Decode: aggregate tokens/s of --sessions concurrent greedy streams vs one stream
 tokens sampled after every stream has its first token (so prefill is left out), in one run.
 Target: >= 4x. Prefix: time to first token of a prompt whose ~--prefix-tokens prefix is in the
 KV cache (a follow-up turn: same prefix, new last line) vs the same prompt cold. Target: >= 10x.
---profile: time one decode step split into the model's layers, the logits,
+--profile: time one decode step split into the model's layers, the logits, sampling,
 `ModelRunner._prepare` and the rest, at 1 and at --sessions sequences (in the loading thread,
-with one torch thread).
+with --threads torch threads), in wall time and in the calling thread's CPU time (`cpu_*`: on
+a shared machine it leaves out the time the thread waited for a core).
+--no-prefix: skip the TTFT rounds (decode figures only).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from localllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from localllm.engine.engine import RequestOutput  # noqa: E402
 from localllm.engine.metrics import EngineSnapshot, percentile  # noqa: E402
 from localllm.engine.request import Request  # noqa: E402
+from localllm.kernels import cpu_native  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 TEXT = ("The committee met on Tuesday to discuss the budget for the new library. Members argued "
@@ -90,47 +93,72 @@ def ttft(engine: AsyncLLMEngine, ids: list[int]) -> float:
     return asyncio.run(run())
 
 
-def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+def timed(fn: Callable[..., Any], acc: list[float], cpu: list[float]) -> Callable[..., Any]:
+    """fn, appending each call's wall time to `acc` and the calling thread's CPU time to
+    `cpu`."""
     def wrapper(*a: Any) -> Any:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*a)
         finally:
             acc.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c)
     return wrapper
 
 
-def profile_step(llm: LLM, prompts: list[list[int]]) -> dict[str, float]:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, float]:
     """ms per decode step at batch 1 and batch len(prompts): the model's layers
-    (`ModelRunner.forward`: one native call a step where the backend's whole-step path runs),
-    the logits, `ModelRunner._prepare`, and the rest (scheduler, sampling, detokenization)."""
+    (`ModelRunner.forward`: one native call a step where the backend's whole-step path runs:
+    the projections, attention and norms of every layer), the logits (the LM head), sampling,
+    `ModelRunner._prepare`, and the rest (scheduler, detokenization, Python); each also as
+    this thread's CPU time (`cpu_` names)."""
     eng = llm.engine
     runner = eng.runner
     res: dict[str, float] = {}
+    torch.set_num_threads(threads)
     for n in (1, len(prompts)):
-        parts: dict[str, list[float]] = {"layers": [], "logits": [], "prepare": []}
-        fwd, logits, prepare = runner.forward, runner.logits, runner._prepare
+        names = ("layers", "logits", "sample", "prepare")
+        parts: dict[str, list[float]] = {k: [] for k in names}
+        cpu: dict[str, list[float]] = {k: [] for k in names}
+        fwd, logits, prepare, sampler = runner.forward, runner.logits, runner._prepare, eng.sampler
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for p in prompts[:n]:
             eng.add_request(p, params)
         for _ in range(8):  # prefill and warm-up
             eng.step()
-        runner.forward = timed(fwd, parts["layers"])  # type: ignore[method-assign]
-        runner.logits = timed(logits, parts["logits"])  # type: ignore[method-assign]
-        runner._prepare = timed(prepare, parts["prepare"])  # type: ignore[method-assign]
+        runner.forward = timed(fwd, parts["layers"], cpu["layers"])  # type: ignore[method-assign]
+        runner.logits = timed(logits, parts["logits"], cpu["logits"])  # type: ignore[method-assign]
+        runner._prepare = timed(  # type: ignore[method-assign]
+            prepare, parts["prepare"], cpu["prepare"])
+        eng.sampler = timed(sampler, parts["sample"], cpu["sample"])  # type: ignore[assignment]
         steps = 16
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             eng.step()
-        total = (time.perf_counter() - t) / steps
+        total, total_cpu = (time.perf_counter() - t) / steps, (time.thread_time() - c) / steps
         del runner.forward, runner.logits, runner._prepare
+        eng.sampler = sampler
         while eng.has_unfinished():
             eng.step()
-        res[f"step_ms@{n}"] = 1e3 * total
-        for name, times in parts.items():
-            res[f"{name}_ms@{n}"] = 1e3 * sum(times) / steps
-        res[f"rest_ms@{n}"] = res[f"step_ms@{n}"] - sum(
-            res[f"{name}_ms@{n}"] for name in parts)
+        for prefix, whole, table in (("", total, parts), ("cpu_", total_cpu, cpu)):
+            res[f"{prefix}step_ms@{n}"] = 1e3 * whole
+            for name, times in table.items():
+                res[f"{prefix}{name}_ms@{n}"] = 1e3 * sum(times) / steps
+            res[f"{prefix}rest_ms@{n}"] = res[f"{prefix}step_ms@{n}"] - sum(
+                res[f"{prefix}{name}_ms@{n}"] for name in table)
+    torch.set_num_threads(1)
     return res
 
 
@@ -144,6 +172,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the TTFT rounds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # this thread loads; the engine thread computes (AsyncLLMEngine)
@@ -171,13 +200,14 @@ def main() -> None:
 
     base = llm.encode(TEXT * (args.prefix_tokens // 40 + 2))[:args.prefix_tokens]
     cold_t, warm_t, cached = [], [], []
-    for i in range(args.repeat):
+    for i in range(0 if args.no_prefix else args.repeat):
         prefix = base[:1] + [base[1] + i + 1] + base[2:]  # a fresh prefix each round
         before = llm.engine.bm.prefix_hits
         cold_t.append(ttft(engine, prefix + llm.encode("Question: who chaired it?")[1:]))
         warm_t.append(ttft(engine, prefix + llm.encode("Question: what did it decide?")[1:]))
         cached.append(llm.engine.bm.prefix_hits - before)
-    cold, warm = statistics.median(cold_t), statistics.median(warm_t)
+    cold = statistics.median(cold_t) if cold_t else float("nan")
+    warm = statistics.median(warm_t) if warm_t else float("nan")
     snap = engine.stats()
     engine.shutdown()
 
@@ -189,7 +219,7 @@ def main() -> None:
         (f"decode ratio {args.sessions}:1", f"{many / one:.2f}x", "target >= 4x"),
         (f"TTFT, {len(base)}-token prompt cold", f"{1e3 * cold:.1f} ms", ""),
         ("TTFT, same prefix cached", f"{1e3 * warm:.1f} ms",
-         f"{statistics.median(cached):.0f} tokens reused"),
+         f"{statistics.median(cached) if cached else 0:.0f} tokens reused"),
         ("TTFT ratio cold:cached", f"{cold / warm:.1f}x", "target >= 10x"),
         ("KV utilization, peak while decoding", f"{100 * kv_peak:.1f} %",
          f"{snap.num_blocks} blocks"),
@@ -198,17 +228,19 @@ def main() -> None:
         ("tokens per step (mean)", f"{snap.mean_tokens_per_step:.2f}",
          f"{snap.steps} steps, {snap.preemptions} preemptions"),
     ]
-    prof = profile_step(llm, prompts) if args.profile else {}
+    prof = profile_step(llm, prompts, args.threads) if args.profile else {}
     for k, v in prof.items():
         rows.append((f"profile {k}", f"{v:.2f}", ""))
     w = max(len(r[0]) for r in rows)
     print(f"\nlocalllm engine, {path.name}, {args.dtype}, {args.threads} threads, "
-          f"{platform.machine()} {platform.processor() or ''}".rstrip())
+          f"{platform.machine()}, CPU {cpu_model()}, native kernels "
+          f"{cpu_native.isa() or 'off'}{' (AMX decode)' if cpu_native.amx_enabled() else ''}")
     for name, value, note in rows:
         print(f"  {name:<{w}}  {value:>14}  {note}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": path.name, "dtype": args.dtype, "threads": args.threads,
+            "cpu": cpu_model(), "native_isa": cpu_native.isa(),
             "sessions": args.sessions, "decode_tokens": args.decode_tokens,
             "decode_1_tok_s": one, "decode_n_tok_s": many, "decode_ratio": many / one,
             "ttft_cold_s": cold, "ttft_cached_s": warm, "ttft_ratio": cold / warm,

@@ -9,6 +9,7 @@
  * threads by tiles.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "cpu_int4.h"
@@ -16,6 +17,9 @@
 #include "cpu_simd.h"
 
 #define PREFETCH_GROUPS 4
+#ifndef ROWS8
+#define ROWS8 1 /* 0: batches of 8 rows take tile_rows4 twice (A/B builds) */
+#endif
 
 /* The same four vectors for a codebook weight: each code c becomes lut[c], a bf16 value, and
  * with TERMS = 2 also wlo[r] = lut_lo[c] (the codebook's remainder); the epilogue adds no
@@ -154,46 +158,130 @@ static inline __attribute__((always_inline)) void tile_rows4(
     }
 }
 
+/* One 64-row tile for 8 rows of x, loading each weight line once per half tile: the same sums
+ * as tiles_rows, in the same order. Per group, rows 0-31 of the tile (the low nibbles), then
+ * rows 32-63 (the high nibbles, the group's lines again, now from L1), each with 16 sums in
+ * registers (8 rows of x x 2 vectors); the running outputs are in out[m][64] (fp32). */
+static inline __attribute__((always_inline)) void tile_rows8(
+    const uint8_t *tile, const Scales *sz, int64_t row0, const uint16_t *x,
+    int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
+    const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i bias = _mm512_set1_epi32(0x43004300); /* bf16 128 = 0x4300 */
+    const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
+    const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
+    for (int i = 0; i < 8 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + PREFETCH_GROUPS < groups) {
+            const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0);
+            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+        }
+        const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+        for (int h = 0; h < 2; h++) {
+            __m512 a[8][2];
+            for (int m = 0; m < 8; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
+            for (int kp = 0; kp < GS / 2; kp++) {
+                const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
+                if (h == 0) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                const __m512i b = _mm512_loadu_si512(p);
+                const __m512i nib = h ? _mm512_and_si512(_mm512_srli_epi16(b, 4), low4)
+                                      : _mm512_and_si512(b, low4);
+                __m512i w[2], wlo[2];
+                if (USE_LUT) {
+                    const __m512i c0 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, nib);
+                    const __m512i c1 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, nib);
+                    w[0] = _mm512_permutexvar_epi16(c0, lut);
+                    w[1] = _mm512_permutexvar_epi16(c1, lut);
+                    if (USE_LUT == 2) {
+                        wlo[0] = _mm512_permutexvar_epi16(c0, lut_lo);
+                        wlo[1] = _mm512_permutexvar_epi16(c1, lut_lo);
+                    }
+                } else {
+                    w[0] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_a, nib);
+                    w[1] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, nib);
+                }
+                for (int m = 0; m < 8; m++) {
+                    int32_t pair;
+                    __builtin_memcpy(&pair, x + m * ldx + kx + 2 * kp, 4);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int r = 0; r < 2; r++) {
+                        a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)w[r], xb);
+                        if (USE_LUT == 2)
+                            a[m][r] = _mm512_dpbf16_ps(a[m][r], (__m512bh)wlo[r], xb);
+                    }
+                }
+            }
+            for (int r = 0; r < 2; r++) {
+                __m512 zz; /* z - 136 s */
+                const __m512 sc = group_scale(sz, g, row0 + 16 * (2 * h + r),
+                                              USE_LUT ? 0.0f : 136.0f, &zz);
+                for (int m = 0; m < 8; m++) {
+                    float *o = out + m * TILE + 16 * (2 * h + r);
+                    __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
+                    y = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]), y);
+                    _mm512_storeu_ps(o, y);
+                }
+            }
+        }
+    }
+}
+
+/* nt (1 or 2) consecutive tiles from tile t for the M rows of x (operands of int4_mm_avx512) */
+static inline __attribute__((always_inline)) void tile_unit(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
+    int64_t t, int64_t nt, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
+    float out[8 * TILE];
+    const uint8_t *tile = packed + t * tile_bytes;
+    const int64_t row0 = t * TILE;
+    for (int64_t m = 0; m < M;) {
+        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        const uint16_t *xm = x + m * ldx;
+        const float *xs = xsum + m * groups;
+        if (mr == 8)
+            tile_rows8(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
+        else if (mr == 4)
+            tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
+        else if (nt == 2)
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
+                       USE_LUT, lut, lut_lo);
+        else if (mr == 2)
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
+                       USE_LUT, lut, lut_lo);
+        else
+            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
+                       USE_LUT, lut, lut_lo);
+        /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t j = 0; j < mr; j++)
+                for (int64_t r = 0; r < rows; r += 16)
+                    store_floats_bf16(out + (i * mr + j) * TILE + r,
+                                      y + (m + j) * ldy + n0 + r, rows - r);
+        }
+        m += mr;
+    }
+}
+
 /* All tiles for the M rows of x, with groups of GS columns (operands of int4_mm_avx512). */
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
     int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
-    const int64_t tiles = n_pad / TILE, groups = K2 / GS, tile_bytes = K2 * 32;
+    const int64_t tiles = n_pad / TILE;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
-     * more rows: one tile at a time, rows four (then two, one) at a time */
-    const int64_t step = M == 1 ? 2 : 1, units = (tiles + step - 1) / step;
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        float out[4 * TILE];
-        const int64_t t = u * step, nt = tiles - t < step ? tiles - t : step;
-        const uint8_t *tile = packed + t * tile_bytes;
-        const int64_t row0 = t * TILE;
-        for (int64_t m = 0; m < M;) {
-            const int64_t mr = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-            const uint16_t *xm = x + m * ldx;
-            const float *xs = xsum + m * groups;
-            if (mr == 4)
-                tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
-            else if (nt == 2)
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
-                           USE_LUT, lut, lut_lo);
-            else if (mr == 2)
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
-                           USE_LUT, lut, lut_lo);
-            else
-                tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
-                           USE_LUT, lut, lut_lo);
-            /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                for (int64_t j = 0; j < mr; j++)
-                    for (int64_t r = 0; r < rows; r += 16)
-                        store_floats_bf16(out + (i * mr + j) * TILE + r,
-                                          y + (m + j) * ldy + n0 + r, rows - r);
-            }
-            m += mr;
-        }
+     * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
+     * takes an equal share of tiles (9 tiles on 2 threads: 4 and 5, where pairs of tiles as
+     * the unit of a static schedule gave 6 and 3) */
+    const int64_t step = M == 1 ? 2 : 1;
+#pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t t_end = tiles * (id + 1) / nth;
+        for (int64_t t = tiles * id / nth; t < t_end; t += step)
+            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
+                      t_end - t < step ? t_end - t : step, GS, USE_LUT, lut, lut_lo);
     }
 }
 

@@ -1,4 +1,4 @@
-"""Native CPU kernels (C, AVX-512): CPU-flag detection, the build, and the loaded library.
+"""Native CPU kernels (C; AVX-512 or AVX2): CPU-flag detection, the builds, the loaded library.
 
 A decode step at batch 1 is a few MFLOP per layer: PyTorch's per-op cost (dispatch,
 temporaries, dtype conversions; RMSNorm alone is 10 ops) is most of it. The C kernels do the
@@ -6,10 +6,11 @@ same math in one call each, with the same rounding points. Their Python wrappers
 their plain-PyTorch references (every `x` has an `x_ref`, a test oracle), one module per
 family:
 
-- `cpu_int4`: the int4 weight-only matmul for a few rows (`int4_mm`, AVX-512 BF16 dot
-  products on the packed layout of PyTorch's int4 CPU kernel); for a prompt's rows, on CPUs
-  with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile matmuls straight from the packed
-  weights), and elsewhere `int4_dequant_t` before PyTorch's matmul;
+- `cpu_int4`: the int4 weight-only matmul for a few rows (`int4_mm`: AVX-512 BF16 dot
+  products, or fp32 FMAs in the AVX2 build, on the packed layout of PyTorch's int4 CPU
+  kernel); for a prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile
+  matmuls straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's
+  matmul;
 - `cpu_ops`: `rms_norm` (optionally adding into the residual stream first), `silu_mul`,
   `rope_`, `kv_store`, `decode_attention` (paged, online softmax) and `top_k`;
 - `cpu_layers`: `DecoderStack.run`, every layer of a decode step in one call, through the
@@ -17,9 +18,15 @@ family:
 
 Only the CPU backend (`localllm/backends/cpu/`) imports these modules.
 
-The library is compiled with the system C compiler into the user cache directory, once per
-source version, compiler and CPU; without a compiler, without AVX-512 BF16 and VBMI, or with
-`LOCALLLM_NATIVE=0`, `available()` is False and callers keep PyTorch's kernels.
+There are two builds of the library, from the same packed layouts and references:
+`avx512` (AVX-512 BF16 and VBMI, and AMX where the CPU has it: Intel Sapphire Rapids and
+later, AMD Zen 4 and later) and `avx2` (AVX2, FMA and F16C: Intel Haswell and later, Alder
+Lake through Arrow Lake included, and AMD Zen 1-3). `isa()` picks the first the CPU runs;
+`LOCALLLM_NATIVE_ISA=avx2` (or `avx512`) asks for one build, e.g. to test the AVX2 build on a
+bigger CPU. Each build is compiled with the system C compiler into the user cache directory,
+once per build, source version, compiler and CPU; without a compiler, without either set of
+CPU features, or with `LOCALLLM_NATIVE=0`, `available()` is False and callers keep PyTorch's
+kernels.
 """
 
 from __future__ import annotations
@@ -35,21 +42,43 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("localllm")
-SOURCES = tuple(Path(__file__).with_name(n) for n in (
-    "cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_amx.c", "cpu_int4_dequant.c", "cpu_ops.c",
-    "cpu_layers.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_int4.h", "cpu_simd.h"))
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16")
+
+
+def _files(*names: str) -> tuple[Path, ...]:
+    return tuple(Path(__file__).with_name(n) for n in names)
+
+
+ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
+SOURCES = {
+    "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_amx.c", "cpu_int4_dequant.c",
+                     "cpu_ops.c", "cpu_layers.c"),
+    "avx2": _files("cpu_int4_avx2.c", "cpu_ops_avx2.c", "cpu_layers.c"),
+}
+HEADERS = {
+    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_simd.h"),
+    "avx2": _files("cpu_kernels.h", "cpu_simd_avx2.h"),
+}
+ISA_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "fma"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+CPU_FLAGS = ISA_FLAGS["avx512"]
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # AMX is opt-in (LOCALLLM_AMX=1): it makes batched decode 1.5x faster, but a row's result
 # then differs (at fp32 rounding) between running alone and in a batch (see `amx_enabled`)
 AMX_DEFAULT = os.environ.get("LOCALLLM_AMX", "0") == "1"
 # -fopenmp: the library needs libgomp.so.1, which resolves to the one PyTorch already loaded,
 # so both share one OpenMP thread team (two teams on two cores slow each other down 10x)
-CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-mavx512f",
-          "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mavx512bf16", "-mfma", "-mamx-tile",
-          "-mamx-bf16",
-          *os.environ.get("LOCALLLM_NATIVE_CFLAGS", "").split())
+_COMMON = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+_EXTRA = tuple(os.environ.get("LOCALLLM_NATIVE_CFLAGS", "").split())
+ISA_CFLAGS = {
+    "avx512": (*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi",
+               "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16", *_EXTRA),
+    "avx2": (*_COMMON, "-mavx2", "-mfma", "-mf16c", *_EXTRA),
+}
+CFLAGS = ISA_CFLAGS["avx512"]
+_forced = os.environ.get("LOCALLLM_NATIVE_ISA", "").strip().lower() or None
+_active: str | None = None  # set_isa's choice for this process; None: `_forced` or the best
 
 
 @cache
@@ -68,16 +97,51 @@ def _cpu_has(flags: tuple[str, ...]) -> bool:
     return all(f in _cpu_flags() for f in flags)
 
 
-def _cpu_supports() -> bool:
-    return _cpu_has(CPU_FLAGS)
+def isa_supported(name: str) -> bool:
+    """Whether this CPU has the features of build `name` (one of ISAS)."""
+    return _cpu_has(ISA_FLAGS[name])
+
+
+def isa() -> str | None:
+    """The build this process runs: `set_isa`'s, else LOCALLLM_NATIVE_ISA's, else the first of
+    ISAS the CPU supports; None when none does (or the forced one is unknown or unsupported:
+    see `unavailable_reason`)."""
+    want = _active or _forced
+    if want is not None:
+        return want if want in ISAS and isa_supported(want) else None
+    return next((n for n in ISAS if isa_supported(n)), None)
+
+
+def isas_available() -> tuple[str, ...]:
+    """The builds that run on this machine (tests run each kernel under every one)."""
+    if os.environ.get("LOCALLLM_NATIVE", "1") == "0":
+        return ()
+    return tuple(n for n in ISAS if isa_supported(n) and _library_of(n) is not None)
+
+
+def set_isa(name: str | None) -> str | None:
+    """Switch this process to build `name` (None: back to the default choice); the packed
+    weights are the same for every build. Returns the build now in use."""
+    global _active
+    if name is not None and name not in ISAS:
+        raise ValueError(f"unknown native build {name!r}: expected one of {', '.join(ISAS)}")
+    _active = name
+    return isa()
 
 
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot run here without trying to build them, or None."""
     if os.environ.get("LOCALLLM_NATIVE", "1") == "0":
         return "LOCALLLM_NATIVE=0"
-    if not _cpu_supports():
-        return "the CPU lacks " + ", ".join(f for f in CPU_FLAGS if f not in _cpu_flags())
+    want = _active or _forced
+    if want is not None and want not in ISAS:
+        return f"LOCALLLM_NATIVE_ISA={want} is none of {', '.join(ISAS)}"
+    if want is not None and not isa_supported(want):
+        return (f"the CPU lacks {', '.join(f for f in ISA_FLAGS[want] if f not in _cpu_flags())}"
+                f" for the {want} build")
+    if isa() is None:
+        return "the CPU lacks " + ", ".join(f for f in ISA_FLAGS["avx2"]
+                                            if f not in _cpu_flags())
     if _compiler() is None:
         return "no C compiler (cc)"
     return None
@@ -94,13 +158,17 @@ def _cache_dir() -> Path:
                 or Path(platformdirs.user_cache_dir("localllm")) / "native")
 
 
-def _build(cc: str) -> Path:
-    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+def _build(cc: str, name: str = "avx512") -> Path:
+    """The library of build `name`, compiled unless the cache has it: its file name holds the
+    build's name and a hash of sources, compiler and flags, so builds never replace each
+    other."""
+    src = b"".join(p.read_bytes() for p in SOURCES[name] + HEADERS[name])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
-    key = hashlib.sha256(src + version.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    flags = ISA_CFLAGS[name]
+    key = hashlib.sha256(src + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib = out_dir / f"localllm_cpu-{key}.so"
+    lib = out_dir / f"localllm_cpu_{name}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,10 +176,11 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
-                       text=True, check=True)
+        subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES[name]), "-lm"],
+                       capture_output=True, text=True, check=True)
         os.replace(tmp, lib)
-        for old in out_dir.glob("localllm_cpu-*.so"):  # earlier versions (mapped ones stay valid)
+        # earlier versions of this build (mapped ones stay valid)
+        for old in out_dir.glob(f"localllm_cpu_{name}-*.so"):
             if old != lib:
                 old.unlink(missing_ok=True)
     finally:
@@ -120,16 +189,34 @@ def _build(cc: str) -> Path:
     return lib
 
 
-@cache
+_chosen: dict[str | None, ctypes.CDLL | None] = {}  # `set_isa`'s choice -> its library
+
+
 def _library() -> ctypes.CDLL | None:
+    # NOTE: asked before every kernel call: a dictionary hit after the first
+    try:
+        return _chosen[_active]
+    except KeyError:
+        pass
     why = unavailable_reason()
     if why is not None:
         log.info("native CPU kernels off (%s): PyTorch ops instead", why)
-        return None
+        lib = None
+    else:
+        name = isa()
+        assert name is not None
+        lib = _library_of(name)
+    _chosen[_active] = lib
+    return lib
+
+
+@cache
+def _library_of(name: str) -> ctypes.CDLL | None:
     cc = _compiler()
-    assert cc is not None
+    if cc is None or not isa_supported(name):
+        return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, name)))
     except subprocess.CalledProcessError as e:
         first = (e.stderr or "").strip().splitlines()[:1]
         log.warning("native CPU kernels did not compile (%s): PyTorch ops instead (slower)",
@@ -160,8 +247,8 @@ def _library() -> ctypes.CDLL | None:
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                            i64], ctypes.c_int),
     }
-    for name, (args, res) in signatures.items():
-        fn = getattr(lib, name)
+    for fn_name, (args, res) in signatures.items():
+        fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, res
     lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_FLAGS)))
     return lib

@@ -10,14 +10,19 @@ import torch
 
 from localllm.errors import ModelLoadError, RequestError
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHS = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
 MAX_LOGPROBS = 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROPE_KINDS = ("none", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def _number(value: Any, kind: type, where: str) -> Any:
+def unsupported_architecture(name: str, supported: Sequence[str] = SUPPORTED_ARCHS) -> str:
+    """The one-line error for an architecture localllm does not run."""
+    return f"unsupported architecture {name!r} (supported: {', '.join(sorted(supported))})"
+
+
+def number(value: Any, kind: type, where: str) -> Any:
     """`value` as `kind` (int or float), or a one-line error naming `where` it came from."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or (kind is int and int(value) != value):
@@ -28,23 +33,43 @@ def _number(value: Any, kind: type, where: str) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: none | linear | llama3 | yarn."""
+    """RoPE frequency scaling. kind: none | linear | llama3 | yarn | longrope.
+
+    yarn: NTK-by-parts between `beta_fast` and `beta_slow` rotations over `original_context`;
+    longrope (Phi-3): per-pair divisors, `long_factors` when the model's context exceeds
+    `original_context`, else `short_factors` (a GGUF file carries them as tensors instead).
+    `attention_factor` scales cos and sin; 0 means the default of the kind (yarn:
+    0.1 ln(factor) + 1; longrope: sqrt(1 + ln(factor) / ln(original_context)))."""
 
     kind: str = "none"
     factor: float = 1.0
     original_context: int = 0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    attention_factor: float = 0.0
+    short_factors: tuple[float, ...] = ()
+    long_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "linear", "llama3", "yarn"):
-            raise ModelLoadError(f"unsupported RoPE scaling type {self.kind!r}")
+        if self.kind not in ROPE_KINDS:
+            raise ModelLoadError(f"unsupported RoPE scaling type {self.kind!r} (supported: "
+                                 f"{', '.join(ROPE_KINDS)})")
         if self.factor <= 0:
             raise ModelLoadError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.attention_factor < 0 or self.beta_fast <= 0 or self.beta_slow <= 0:
+            raise ModelLoadError("RoPE scaling: attention factor and YaRN betas must be "
+                                 "positive")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """One decoder family over flags (see `localllm.models.llama`). Built from GGUF metadata
+    (`localllm.gguf.config.config_from_gguf`) or a Hugging Face config.json
+    (`localllm.hf.config.config_from_hf`)."""
+
     arch: str
     vocab_size: int
     hidden_size: int
@@ -60,15 +85,24 @@ class ModelConfig:
     rope_neox: bool  # True: rotate halves (NEOX/HF); False: adjacent pairs (GGUF llama)
     tie_word_embeddings: bool
     attn_bias: bool = False  # Q/K/V projections carry a bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on Q and K before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on Q and K before RoPE (Qwen3, Gemma 3)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     name: str = ""
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh (Gemma)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs too (Gemma 2/3)
+    query_scale: float = 0.0  # attention's softmax scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores become c * tanh(s / c); 0: off (Gemma 2)
+    final_softcap: float = 0.0  # the same on the logits (Gemma 2)
+    sliding_window: int = 0  # sliding layers attend to the last this many positions; 0: none
+    # per layer, whether it is a sliding-window layer; () with a window: every layer is
+    sliding_layers: tuple[bool, ...] = ()
+    rope_theta_local: float = 0.0  # RoPE base of sliding layers, unscaled (Gemma 3); 0: none
+    fused_projections: bool = False  # the checkpoint stores qkv and gate|up stacked (Phi-3)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(
-                f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
+            raise ModelLoadError(unsupported_architecture(self.arch))
         for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "rope_dim", "context_length"):
             if getattr(self, attr) <= 0:
@@ -80,157 +114,29 @@ class ModelConfig:
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ModelLoadError(f"model config: RoPE dimension {self.rope_dim} does not fit head "
                                  f"dimension {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"model config: activation {self.hidden_act!r} is not "
+                                 f"supported (supported: {', '.join(ACTIVATIONS)})")
+        if min(self.sliding_window, self.attn_softcap, self.final_softcap,
+               self.query_scale) < 0:
+            raise ModelLoadError("model config: sliding window, soft-caps and query scale "
+                                 "must not be negative")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ModelLoadError(f"model config: {len(self.sliding_layers)} layer types for "
+                                 f"{self.num_layers} layers")
 
-    @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], n_vocab_fallback: int = 0,
-                           has_output: bool = True) -> ModelConfig:
-        """Build from GGUF metadata with the defaults llama.cpp applies to missing keys."""
-        arch = meta.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ModelLoadError("GGUF metadata has no general.architecture")
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(
-                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to everything before)."""
+        if not self.sliding_window or (self.sliding_layers
+                                       and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
 
-        def get(key: str, default: Any = None, required: bool = False,
-                kind: type = int) -> Any:
-            full = f"{arch}.{key}"
-            if full not in meta:
-                if required:
-                    raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
-                return default
-            value = meta[full]
-            return value if kind is str else _number(value, kind, f"GGUF key {full!r}")
-
-        hidden = get("embedding_length", required=True)
-        num_heads = get("attention.head_count", required=True)
-        if num_heads <= 0 or hidden <= 0:
-            raise ModelLoadError(f"GGUF metadata gives {num_heads} attention heads and hidden "
-                                 f"size {hidden}; both must be positive")
-        num_kv_heads = get("attention.head_count_kv", num_heads)
-        head_dim = get("attention.key_length", hidden // num_heads)
-        vocab = get("vocab_size", None)
-        if vocab is None:
-            tokens = meta.get("tokenizer.ggml.tokens")
-            vocab = (len(tokens) if isinstance(tokens, Sequence) and not isinstance(tokens, str)
-                     else n_vocab_fallback)
-        scaling = RopeScaling()
-        kind = get("rope.scaling.type", "none", kind=str)
-        if kind in ("linear", "yarn"):
-            scaling = RopeScaling(
-                kind=kind, factor=get("rope.scaling.factor", 1.0, kind=float),
-                original_context=get("rope.scaling.original_context_length", 0),
-            )
-        elif kind not in ("none", None):
-            raise ModelLoadError(f"unsupported RoPE scaling type {kind!r}")
-        name = meta.get("general.name", "")
-        return cls(
-            arch=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=get("feed_forward_length", required=True),
-            num_layers=get("block_count", required=True),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
-            rope_theta=get("rope.freq_base", 10000.0, kind=float),
-            rope_dim=get("rope.dimension_count", head_dim),
-            context_length=get("context_length", 2048),
-            rope_neox=arch in ("qwen2", "qwen3"),
-            tie_word_embeddings=not has_output,
-            attn_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            rope_scaling=scaling,
-            name=str(name),
-        )
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json (transformers 4.x `rope_theta`/`rope_scaling`
-        or 5.x `rope_parameters`). Checkpoints in HF layout rotate halves (NEOX RoPE)."""
-        archs = cfg.get("architectures")
-        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-            raise ModelLoadError("config.json names no architecture ('architectures' is missing)")
-        arch = HF_ARCHITECTURES.get(archs[0])
-        if arch is None:
-            raise ModelLoadError(f"unsupported architecture {archs[0]!r} (supported: "
-                                 f"{', '.join(HF_ARCHITECTURES)})")
-
-        def get(key: str, default: Any = None, kind: type = int) -> Any:
-            value = cfg.get(key)
-            if value is None:
-                if default is None:
-                    raise ModelLoadError(f"config.json lacks required key {key!r}")
-                return default
-            return _number(value, kind, f"config.json key {key!r}")
-
-        for key, bad in (("attention_bias", True), ("mlp_bias", True)):
-            if cfg.get(key) is bad and not (arch == "qwen2" and key == "attention_bias"):
-                raise ModelLoadError(f"config.json: {key}=true is not supported for {archs[0]}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"config.json: activation {act!r} is not supported (only silu)")
-        hidden = get("hidden_size")
-        num_heads = get("num_attention_heads")
-        head_dim = get("head_dim", hidden // num_heads if num_heads > 0 else 0)
-        context = get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window")
-        if isinstance(window, int) and window > 0 and (arch == "mistral"
-                                                       or cfg.get("use_sliding_window")):
-            context = min(context, window)  # NOTE: exact up to the window; no sliding attention
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ModelLoadError(f"config.json: unreadable RoPE parameters {rope!r}")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if not isinstance(theta, (int, float)) or theta <= 0:
-            raise ModelLoadError(f"config.json: bad rope_theta {theta!r}")
-        return cls(
-            arch=arch,
-            vocab_size=get("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=get("intermediate_size"),
-            num_layers=get("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=get("num_key_value_heads", num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=get("rms_norm_eps", 1e-6, kind=float),
-            rope_theta=float(theta),
-            rope_dim=head_dim,
-            context_length=context,
-            rope_neox=True,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attn_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            rope_scaling=_hf_rope_scaling(rope, cfg.get("original_max_position_embeddings")
-                                        or get("max_position_embeddings", 2048)),
-            name=str(cfg.get("_name_or_path", "")),
-        )
-
-
-def _hf_rope_scaling(rope: dict[str, Any], original: Any) -> RopeScaling:
-    """RoPE scaling from HF `rope_parameters` / `rope_scaling`; unsupported variants raise."""
-    kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind == "default":
-        return RopeScaling()
-    if kind not in ("linear", "llama3", "yarn"):
-        raise ModelLoadError(f"unsupported RoPE scaling type {kind!r}")
-    factor = rope.get("factor")
-    if not isinstance(factor, (int, float)):
-        raise ModelLoadError(f"RoPE scaling {kind!r} needs a numeric factor, got {factor!r}")
-    original = rope.get("original_max_position_embeddings") or original or 0
-    if kind == "yarn":
-        custom = [k for k, default in (("beta_fast", 32), ("beta_slow", 1),
-                                       ("attention_factor", None), ("truncate", True))
-                  if rope.get(k) not in (None, default)]
-        if rope.get("mscale") and rope.get("mscale_all_dim"):
-            custom.append("mscale")
-        if custom:
-            raise ModelLoadError(f"YaRN RoPE with custom {', '.join(custom)} is not supported")
-    return RopeScaling(kind=kind, factor=float(factor), original_context=int(original),
-                       low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                       high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+    def kv_window(self) -> int:
+        """The positions every layer of a sequence may still read back: the window when all
+        layers slide, else 0 (some layer keeps everything)."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return 0 if 0 in windows else max(windows)
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 4 << 30

@@ -17,6 +17,7 @@ import torch
 from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
+from localllm.gguf.config import config_from_gguf
 from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import module_name, qtype_name
 from localllm.layers.backend import Backend
@@ -116,7 +117,7 @@ def _check_against_file(gf: GGUFFile, cfg: ModelConfig, cls: type[LlamaForCausal
                   cls(cfg, dtype, backend).named_parameters(remove_duplicate=False)}
     filled: set[str] = set()
     for info in gf:
-        name = module_name(info.name)
+        name = module_name(info.name, cfg.arch)
         if name is None or name not in shapes:
             continue
         if info.shape != shapes[name]:
@@ -165,6 +166,16 @@ def _keep_quantized(model: LlamaForCausalLM, name: str, info: TensorInfo, gf: GG
     return True
 
 
+def _longrope_factors(cfg: ModelConfig) -> str | None:
+    """Which LongRoPE factor tensor a model uses: the long ones when its context exceeds the
+    original one (as llama.cpp does with a context that long), else the short ones."""
+    sc = cfg.rope_scaling
+    if sc.kind != "longrope":
+        return None
+    return "rope.long_factors" if cfg.context_length > sc.original_context else (
+        "rope.short_factors")
+
+
 def _warn_unpacked(src: str, unpacked: dict[int, list[TensorInfo]], dtype: torch.dtype,
                    backend: str) -> None:
     """One line per quantized type that had to be dequantized to the compute dtype: what it
@@ -198,8 +209,7 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
     gf = GGUFFile(path)
     src = str(gf.path)
     try:
-        cfg = ModelConfig.from_gguf_metadata(gf.metadata,
-                                             has_output="output.weight" in gf.tensors)
+        cfg = config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors)
     except ModelLoadError as e:
         raise ModelLoadError(f"{src}: {e}") from None
     tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=src)
@@ -219,8 +229,8 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
     infos = list(gf)
     unpacked: dict[int, list[TensorInfo]] = {}  # quantized tensors stored dense, by type
     for i, info in enumerate(infos):
-        name = module_name(info.name)
-        if name == "rope.freq_factors":
+        name = module_name(info.name, cfg.arch)
+        if name == "rope.freq_factors" or name == _longrope_factors(cfg):
             model.rope.set_freq_factors(dequantize(info, src).flatten(), cfg)
         elif name is not None and name in params:
             if not (quantized and _keep_quantized(model, name, info, gf)):

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 through config flags).
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3 through config
+flags: Q/K norms, per-layer sliding windows and RoPE bases, soft-capping, post-norms, GELU,
+embedding scale, projections stored fused).
 
 Only declares modules and the forward graph. The loader fills in the weights (and swaps in
 the backend's quantized linear layers); every op runs through the layers, which ask the
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 
 from localllm.config import ModelConfig
-from localllm.layers.activation import silu_and_mul
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from localllm.layers.backend import Backend
 from localllm.layers.linear import Linear, LinearBase, fuse_linears
 from localllm.layers.norm import RMSNorm
@@ -26,26 +28,34 @@ REFINE_TOP = 16  # bf16 compute: logits of the best tokens recomputed in fp32
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype,
-                 backend: Backend) -> None:
+                 backend: Backend, spec: AttentionSpec) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = hd = cfg.head_dim
         hidden, bias = cfg.hidden_size, cfg.attn_bias
-        self.q_proj: LinearBase = Linear(hidden, self.num_heads * hd, bias, dtype, backend)
-        self.k_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype, backend)
-        self.v_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype, backend)
+        self.qkv_proj: LinearBase | None = None  # q, k, v stacked, once `fuse` succeeds
+        if cfg.fused_projections:  # stored stacked: loaded as it is
+            self.qkv_proj = Linear(hidden, (self.num_heads + 2 * self.num_kv_heads) * hd, bias,
+                                   dtype, backend)
+        else:
+            self.q_proj: LinearBase = Linear(hidden, self.num_heads * hd, bias, dtype, backend)
+            self.k_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype,
+                                             backend)
+            self.v_proj: LinearBase = Linear(hidden, self.num_kv_heads * hd, bias, dtype,
+                                             backend)
         self.o_proj: LinearBase = Linear(self.num_heads * hd, hidden, False, dtype, backend)
         eps = cfg.rms_norm_eps
         self.q_norm = RMSNorm(hd, eps, dtype, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, eps, dtype, backend) if cfg.qk_norm else None
         self.rope = rope
         self.backend = backend
-        self.scale = hd ** -0.5
-        self.qkv_proj: LinearBase | None = None  # q, k, v stacked, once `fuse` succeeds
+        self.spec = spec
 
     def fuse(self) -> None:
         """After loading: stack q/k/v into one layer (one matmul per step instead of three)
         and drop the separate ones."""
+        if self.qkv_proj is not None:
+            return
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         if self.qkv_proj is not None:
             del self.q_proj, self.k_proj, self.v_proj
@@ -73,7 +83,7 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(positions, q, k)
-        o = self.backend.attention(q, k, v, cache, meta, self.scale)  # [t, nh, head_dim]
+        o = self.backend.attention(q, k, v, cache, meta, self.spec)  # [t, nh, head_dim]
         return self.o_proj(o.reshape(t, nh * hd))
 
 
@@ -81,32 +91,52 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
-        self.up_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
-        self.down_proj: LinearBase = Linear(inter, hidden, False, dtype, backend)
         self.gate_up_proj: LinearBase | None = None  # gate and up stacked, once `fuse` succeeds
+        if cfg.fused_projections:
+            self.gate_up_proj = Linear(hidden, 2 * inter, False, dtype, backend)
+        else:
+            self.gate_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
+            self.up_proj: LinearBase = Linear(hidden, inter, False, dtype, backend)
+        self.down_proj: LinearBase = Linear(inter, hidden, False, dtype, backend)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.backend = backend
 
     def fuse(self) -> None:
         """After loading: stack gate and up into one layer, and drop the separate ones."""
+        if self.gate_up_proj is not None:
+            return
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         if self.gate_up_proj is not None:
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
+            if self.gelu:
+                return self.down_proj(self.backend.gelu_mul(self.gate_up_proj(x)))
             return self.down_proj(self.gate_up_proj.silu_gated(x))
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        act = gelu_tanh_and_mul if self.gelu else silu_and_mul
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype,
-                 backend: Backend) -> None:
+                 backend: Backend, spec: AttentionSpec) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
-        self.self_attn = Attention(cfg, rope, dtype, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
-                                                backend)
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps, dtype, backend)
+        self.self_attn = Attention(cfg, rope, dtype, backend, spec)
+        # Llama: the MLP's input norm; with post-norms (Gemma): the attention output's
+        self.post_attention_layernorm = RMSNorm(dim, eps, dtype, backend)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if cfg.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(dim, eps, dtype, backend)
+            self.post_feedforward_layernorm = RMSNorm(dim, eps, dtype, backend)
         self.mlp = MLP(cfg, dtype, backend)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm or self.post_attention_layernorm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +148,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        if self.pre_feedforward_layernorm is None:
+            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            return self.mlp(h), residual
+        assert self.post_feedforward_layernorm is not None
+        h, residual = self.pre_feedforward_layernorm.add_forward(
+            self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,8 +168,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: LinearBase = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
                                                backend, exact_rows=True)
         self.rope = RotaryEmbedding(cfg, backend)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, dtype, backend)
-                                    for _ in range(cfg.num_layers))
+        # sliding layers with a RoPE base of their own (Gemma 3)
+        self.rope_local = (RotaryEmbedding(cfg, backend, local=True) if cfg.rope_theta_local
+                           else None)
+        scale = cfg.query_scale or cfg.head_dim ** -0.5
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rope_local if cfg.layer_window(i) and self.rope_local
+                         else self.rope, dtype, backend,
+                         AttentionSpec(scale, cfg.attn_softcap, cfg.layer_window(i)))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
         self.lm_head: LinearBase = (
             self.embed_tokens if cfg.tie_word_embeddings
@@ -185,21 +227,26 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layout(self) -> DecoderLayout:
         """The layers as data, for a backend's whole-step fast path (after loading)."""
-        parts = [LayerParts(layer.input_layernorm, layer.post_attention_layernorm,
+        cfg = self.cfg
+        parts = [LayerParts(layer.input_layernorm, layer.mlp_norm,
                             layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                             layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                            layer.self_attn.q_norm is not None)
+                            layer.self_attn.q_norm is not None, layer.self_attn.spec,
+                            layer.self_attn.rope,
+                            layer.post_attention_layernorm if cfg.post_norms else None,
+                            layer.post_feedforward_layernorm, cfg.hidden_act)
                  for layer in self.layers]
-        cfg = self.cfg
         return DecoderLayout(self.embed_tokens, self.rope, parts, self.norm, self.dtype,
                              cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, cfg.head_dim ** -0.5)
+                             cfg.intermediate_size, cfg.embed_scale)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
         x = self.embed_tokens.embed(input_ids)
+        if self.cfg.embed_scale != 1.0:  # rounded to the compute dtype first, as Gemma does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, positions, cache, meta)
@@ -212,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] fp32
         logits = self.lm_head(hidden).float()
         if self.dtype == torch.float32:
-            return logits
+            return self._softcap(logits)
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
         # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
@@ -221,4 +268,8 @@ class LlamaForCausalLM(nn.Module):
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
         if self.lm_head.bias is not None:
             exact = exact + self.lm_head.bias.float()[top]
-        return logits.scatter_(1, top, exact)
+        return self._softcap(logits.scatter_(1, top, exact))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_softcap
+        return logits if cap == 0 else torch.tanh(logits / cap) * cap

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from localllm.config import ModelConfig
+from localllm.config import SUPPORTED_ARCHS, ModelConfig, unsupported_architecture
 from localllm.errors import ModelLoadError
 from localllm.layers.attention import AttentionMetadata, KVCache
 from localllm.layers.backend import Backend
@@ -29,18 +29,13 @@ class CausalLM(Protocol):
     def decoder_layout(self) -> DecoderLayout: ...
 
 
-_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-}
+# one class over config flags (see `localllm.models.llama`)
+_REGISTRY: dict[str, type[LlamaForCausalLM]] = {arch: LlamaForCausalLM
+                                                for arch in SUPPORTED_ARCHS}
 
 
 def model_class(arch: str) -> type[LlamaForCausalLM]:
     try:
         return _REGISTRY[arch]
     except KeyError:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} (supported: {', '.join(sorted(_REGISTRY))})"
-        ) from None
+        raise ModelLoadError(unsupported_architecture(arch, list(_REGISTRY))) from None

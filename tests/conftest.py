@@ -56,16 +56,21 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-@pytest.fixture(params=["native", "native-dense", "pytorch"])
+@pytest.fixture(params=["native", "native-dense", "native-avx2", "pytorch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test through the native CPU kernels (prompts on AMX tiles where the CPU has
     them), through them with prompts as dequantize + PyTorch matmul (AVX-512 without AMX),
-    and through PyTorch ops alone (machines without AVX-512 BF16 or a compiler)."""
+    through the AVX2 build of the kernels on a CPU whose default is the AVX-512 one, and
+    through PyTorch ops alone (machines without AVX2 or a compiler)."""
     from localllm.kernels import cpu_native
 
-    if request.param.startswith("native"):
+    if request.param == "native-avx2":
+        if cpu_native.isa() == "avx2" or "avx2" not in cpu_native.isas_available():
+            pytest.skip("the AVX2 build is this machine's default (\"native\") or does not run")
+        monkeypatch.setattr(cpu_native, "_active", "avx2")
+    elif request.param.startswith("native"):
         if not cpu_native.available():
-            pytest.skip("native CPU kernels are not available here (AVX-512 BF16 + compiler)")
+            pytest.skip("native CPU kernels are not available here (AVX2 + compiler)")
         monkeypatch.setattr(cpu_native, "_gemm_on", request.param == "native")
     else:
         monkeypatch.setattr(cpu_native, "_library", lambda: None)

@@ -13,6 +13,17 @@ which blocks were released, so the cache's least recently unlocked entry is the 
 block in the queue. Taking a block from the front evicts that entry first: the least recently
 freed cached block is reused first, as vLLM and nano-vllm do.
 
+Sliding windows: when every layer of the model has one (`kv_window` > 0, e.g. Mistral), a
+running request's blocks that lie wholly before the window of its next position are released
+after each step (`release_behind_window`): no later query of any layer reads them (the
+attention backends never read block-table entries before a query's window). Their ids stay in
+`block_table[:num_released_blocks]`, stale, so positions keep their index; the blocks go back
+to the free queue and, being hashed, stay in the prefix cache until reused. A later prompt with
+that prefix matches them only while every block of its chain is still cached (`match` stops at
+the first miss), and the blocks it gets hold exactly the K/V a cold run computes for those
+positions: the K/V of position p depends only on tokens 0..p, whatever was freed since. Models
+with a global layer (Gemma 2/3) keep every block.
+
 A second tier, the on-disk `PrefixStore`, is asked for the keys after the first tier's hits
 (`match` stops at the first miss). On admission its hits are loaded into fresh blocks, which
 then join the first tier as blocks the request filled; a block that fails to load is computed
@@ -60,13 +71,15 @@ NO_MATCH = PrefixMatch((), ())
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str,
-                 cache: PrefixCache | None = None, store: PrefixStore | None = None) -> None:
+                 cache: PrefixCache | None = None, store: PrefixStore | None = None,
+                 kv_window: int = 0) -> None:
         self.allocator = BlockAllocator(num_blocks)
         self.cache = cache if cache is not None else LRUPrefixCache()
         self.store = store
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint.encode()
+        self.kv_window = kv_window  # > 0: every layer attends to at most this many positions
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -179,13 +192,30 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release a request's blocks; tail blocks become the first to be evicted."""
         cached: list[int] = []
-        for bid in reversed(req.block_table):
+        for bid in reversed(req.block_table[req.num_released_blocks:]):
             self.allocator.release(bid)
             if bid in self.cache:
                 cached.append(bid)
         self.cache.unlock(cached)
         req.block_table = []
         req.block_hashes = []
+        req.num_released_blocks = 0
+
+    def release_behind_window(self, req: Request) -> None:
+        """Release the hashed blocks wholly before the window of `req`'s next position (see
+        the module docstring); nothing without `kv_window`."""
+        if not self.kv_window:
+            return
+        # the next query is at num_computed_tokens; it sees positions > that - kv_window
+        first_seen = req.num_computed_tokens - self.kv_window + 1
+        dead = min(max(first_seen, 0) // self.block_size, len(req.block_hashes))
+        released = req.block_table[req.num_released_blocks:dead]
+        if not released:
+            return
+        for bid in released:
+            self.allocator.release(bid)
+        self.cache.unlock([bid for bid in released if bid in self.cache])
+        req.num_released_blocks = dead
 
     def cache_full_blocks(self, req: Request) -> list[bytes]:
         """Hash the blocks that became full, insert them in the cache and hand them to the
@@ -211,8 +241,9 @@ class BlockManager:
         """Raise AssertionError if reference counts, the free queue or the cache disagree."""
         owners: dict[int, int] = {}
         for req in live:
-            assert len(set(req.block_table)) == len(req.block_table), f"{req} repeats a block"
-            for bid in req.block_table:
+            table = req.block_table[req.num_released_blocks:]
+            assert len(set(table)) == len(table), f"{req} repeats a block"
+            for bid in table:
                 owners[bid] = owners.get(bid, 0) + 1
         self.allocator.check_integrity(owners)
         self.cache.check_integrity()

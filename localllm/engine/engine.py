@@ -47,6 +47,8 @@ class RequestOutput(NamedTuple):
     # when the request asked for them: one entry per token of `token_ids` that is not a stop
     # token hidden from the text
     logprobs: list[TokenLogprobs] | None = None
+    # prompt tokens whose K/V came from the prefix cache (memory or disk) at admission
+    cached_tokens: int = 0
 
 
 def store_identity(loaded: LoadedModel, runner: ModelRunner) -> StoreIdentity:
@@ -88,7 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size)
         self.store = open_store(cache, store_identity(loaded, self.runner), self.runner)
         self.bm = BlockManager(num_blocks, cache.block_size, loaded.fingerprint,
-                               store=self.store)
+                               store=self.store, kv_window=loaded.config.kv_window())
         # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
@@ -252,7 +254,7 @@ class LLMEngine:
             del self._requests[req.request_id]
         reason = req.finish_reason.value if req.finish_reason else None
         return RequestOutput(req.request_id, text, new, req.is_finished, reason, req.error,
-                             logprobs)
+                             logprobs, req.num_cached_tokens)
 
     def snapshot(self) -> EngineSnapshot:
         """Metrics of this moment; call on the stepping thread (AsyncLLMEngine.stats elsewhere)."""

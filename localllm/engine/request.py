@@ -71,6 +71,8 @@ class Request:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash of each full block of block_table, in order
+        # block_table[:n] were released: behind every layer's sliding window (see BlockManager)
+        self.num_released_blocks = 0
         self.times = RequestTimes(arrival if arrival is not None else time.perf_counter())
         self.generator: torch.Generator | None = None
         if not params.greedy:

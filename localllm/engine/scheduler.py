@@ -130,6 +130,7 @@ class Scheduler:
                 continue  # aborted or failed while the step ran
             req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_full_blocks(req)
+            self.bm.release_behind_window(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue

@@ -11,6 +11,8 @@ _GLOBAL = {
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope.freq_factors",
+    "rope_factors_long.weight": "rope.long_factors",
+    "rope_factors_short.weight": "rope.short_factors",
 }
 _BLOCK = {
     "attn_norm": "input_layernorm",
@@ -24,18 +26,30 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q | k | v stacked
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# where an architecture's tensors fill other modules than Llama's
+_BLOCK_BY_ARCH = {
+    # ffn_norm is the MLP's input norm, post_attention_norm the attention output's
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate | up stacked
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def module_name(gguf_name: str) -> str | None:
-    """The model parameter a GGUF tensor fills, or None for tensors the model does not use."""
+def module_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The model parameter a GGUF tensor of architecture `arch` fills, or None for tensors
+    the model does not use (`rope.*` names: factors the RoPE tables are divided by)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK:
+    if m is None:
         return None
-    return f"layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    module = _BLOCK_BY_ARCH.get(arch, {}).get(m.group(2)) or _BLOCK.get(m.group(2))
+    return None if module is None else f"layers.{m.group(1)}.{module}.{m.group(3)}"
 
 
 def qtype_name(qtype: int) -> str:

@@ -3,7 +3,10 @@
 The folder holds `config.json`, `tokenizer.json` (+ `tokenizer_config.json`,
 `generation_config.json`) and `*.safetensors` weights in fp16/bf16/fp32, possibly sharded with
 `model.safetensors.index.json`, or bitsandbytes 4-bit/8-bit weights saved by transformers.
-HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is).
+HF tensor names are localllm's module names with a `model.` prefix (`lm_head.weight` as is; a
+multimodal Gemma 3's text model under `language_model.model.` or `model.language_model.`;
+Phi-3's stacked `qkv_proj` and `gate_up_proj` load as they are). Gemma's norms multiply by
+(1 + w): their weights get the 1 added at load, as llama.cpp's converter stores them.
 
 `quantize` ("int8" | "int4" | "nf4") quantizes the weights of linear layers (not the
 embedding or the LM head) on load, see `localllm.quant.quantize`. Where the backend has a
@@ -30,6 +33,7 @@ from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
 from localllm.hf.bnb import bnb_method, bnb_shape, dequantize_bnb, is_bnb_weight
+from localllm.hf.config import config_from_hf
 from localllm.hf.weights import SafetensorsFolder
 from localllm.layers.backend import Backend
 from localllm.layers.linear import Linear, replace_module, row_source
@@ -48,11 +52,20 @@ def is_hf_checkpoint(path: str | os.PathLike[str]) -> bool:
     return Path(path).is_dir()
 
 
+# the text model inside a multimodal checkpoint (Gemma 3 4B+): under transformers 5's module
+# names, or as checkpoints store them
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
 def local_name(hf_name: str) -> str | None:
     """`model.layers.0.self_attn.q_proj.weight` -> `layers.0.self_attn.q_proj.weight`."""
+    for prefix in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return hf_name[len(prefix):]
     if hf_name.startswith("model."):
         return hf_name[len("model."):]
-    return hf_name if hf_name == "lm_head.weight" else None
+    return "lm_head.weight" if hf_name in ("lm_head.weight",
+                                           "language_model.lm_head.weight") else None
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -76,8 +89,9 @@ def _tensor_map(st: SafetensorsFolder, cfg: ModelConfig, cls: type[LlamaForCausa
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in
                   cls(cfg, dtype, backend).named_parameters(remove_duplicate=False)}
-    layers = {int(n.split(".")[2]) for n in st.names()
-              if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    local = [name for name in map(local_name, st.names()) if name is not None]
+    layers = {int(n.split(".")[1]) for n in local
+              if n.startswith("layers.") and n.split(".")[1].isdigit()}
     if layers and max(layers) + 1 != cfg.num_layers:
         raise ModelLoadError(f"{src}: config.json says {cfg.num_layers} layers but the weights "
                              f"have tensors for {max(layers) + 1}")
@@ -153,7 +167,7 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
     src = str(folder)
     raw = read_config(folder)
     try:
-        cfg = ModelConfig.from_hf_config(raw)
+        cfg = config_from_hf(raw)
         bnb = bnb_method(raw.get("quantization_config"))
     except ModelLoadError as e:
         raise ModelLoadError(f"{src}: {e}") from None
@@ -179,6 +193,8 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
             bnb_weight = bnb is not None and is_bnb_weight(st, hf_name)
             w = dequantize_bnb(st, hf_name) if bnb_weight else st.get(hf_name)
             module = _linear(model, name)
+            if cfg.post_norms and name.endswith("norm.weight"):
+                w = w.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
             if module is not None:
                 _load_linear(model, module, params[name], w, quantize)
             else:

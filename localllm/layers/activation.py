@@ -9,3 +9,8 @@ import torch.nn.functional as F
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # gate, up: [num_tokens, intermediate]
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # gate, up: [num_tokens, intermediate]
+    return F.gelu(gate, approximate="tanh") * up

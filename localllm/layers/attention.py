@@ -13,11 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+class AttentionSpec(NamedTuple):
+    """What one layer's attention computes besides q, k, v: scores are `scale * q.k`, then
+    `softcap * tanh(s / softcap)` where softcap > 0 (Gemma 2); with window > 0 a query at
+    position p sees only positions j with p - j < window (sliding-window layers)."""
+
+    scale: float
+    softcap: float = 0.0
+    window: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Neither soft-capped nor windowed (the form every attention kernel takes)."""
+        return self.softcap == 0 and self.window == 0
 
 
 @dataclass
@@ -78,8 +93,12 @@ class KVCache:
     v: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
 
 
-def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """[query_len, context_len] bool, True where attention is allowed."""
+def causal_mask(query_len: int, context_len: int, device: torch.device,
+                window: int = 0, first: int = 0) -> torch.Tensor:
+    """[query_len, context_len - first] bool, True where attention is allowed: the queries are
+    the last `query_len` positions, the keys positions first..context_len-1; with `window`,
+    only the last `window` positions up to each query."""
     q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
-    return k_pos <= q_pos
+    k_pos = torch.arange(first, context_len, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    return allowed & (q_pos - k_pos < window) if window > 0 else allowed

@@ -13,7 +13,7 @@ import torch
 from localllm.quant.formats import Int4Weight, Int8Weight
 
 if TYPE_CHECKING:
-    from localllm.layers.attention import AttentionMetadata, KVCache
+    from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 
 # rows start..end of a quantized weight, as the loader reads them from the file
 RowSource = Callable[[int, int], Int4Weight | Int8Weight]
@@ -72,6 +72,10 @@ class LayerOps(ABC):
         """[num_tokens, 2 * inter] (gate | up) -> silu(gate) * up, [num_tokens, inter]."""
 
     @abstractmethod
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * inter] (gate | up) -> gelu_tanh(gate) * up (Gemma's MLP)."""
+
+    @abstractmethod
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, rope_dim: int,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               neox: bool) -> bool:
@@ -92,7 +96,9 @@ class LayerOps(ABC):
     # ---------------------------------------------------------------- attention and KV
     @abstractmethod
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Stores this step's k, v at `meta.slot_mapping` in `cache`, then attends:
-        q [num_tokens, num_heads, head_dim], k, v [num_tokens, num_kv_heads, head_dim] ->
-        [num_tokens, num_heads, head_dim]."""
+                  meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        """Stores this step's k, v at `meta.slot_mapping` in `cache`, then attends as `spec`
+        says (scale, soft-cap, sliding window): q [num_tokens, num_heads, head_dim], k, v
+        [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]. With a
+        window, block-table entries of positions before every query's window are never
+        read."""

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, Llama-3 and YaRN frequency scaling.
+"""Rotary position embeddings: default, linear, Llama-3, YaRN and LongRoPE frequency scaling.
 
 Two layouts:
 - pairs (GGUF `llama`, `rope_neox=False`): dims (2i, 2i+1) rotate together by angle p*f_i.
@@ -16,21 +16,24 @@ import math
 import torch
 from torch import nn
 
-from localllm.config import ModelConfig
+from localllm.config import ModelConfig, RopeScaling
+from localllm.errors import ModelLoadError
 from localllm.layers.ops import LayerOps
 
 
-def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies [rope_dim/2] in fp32, scaling applied.
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None,
+                  local: bool = False) -> torch.Tensor:
+    """Per-pair inverse frequencies [rope_dim/2] in fp32, scaling applied; `local`: those of
+    the sliding-window layers of a model with their own base (`rope_theta_local`, unscaled).
 
     Always computed on the CPU (a few numbers): even inside `torch.device("meta")`, where the
     loader builds a model to read its shapes and meta math would import PyTorch's Python
     decompositions (about 75 MB resident)."""
     dim = cfg.rope_dim
     cpu = torch.device("cpu")
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=cpu)
-                                    / dim))
-    sc = cfg.rope_scaling
+    theta = cfg.rope_theta_local if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) / dim))
+    sc = RopeScaling() if local else cfg.rope_scaling
     if sc.kind == "linear":
         inv = inv / sc.factor
     elif sc.kind == "llama3":
@@ -44,36 +47,55 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
         inv = torch.where(mid, (1 - smooth) * inv / sc.factor + smooth * inv, scaled)
     elif sc.kind == "yarn":
         orig = sc.original_context or cfg.context_length
-        # NTK-by-parts ramp between beta_fast=32 and beta_slow=1 rotations over orig context
+        # NTK-by-parts: a ramp between the dims turning beta_fast and beta_slow times over
+        # the original context; below it frequencies stay, above it they are divided
+
         def corr_dim(rot: float) -> float:
-            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-        low = max(math.floor(corr_dim(32.0)), 0)
-        high = min(math.ceil(corr_dim(1.0)), dim - 1)
-        ramp = (torch.arange(dim // 2, dtype=torch.float64, device=cpu) - low) / max(
-            high - low, 1e-3)
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = corr_dim(sc.beta_fast), corr_dim(sc.beta_slow)
+        if sc.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64, device=cpu) - low) / (
+            high - low if high != low else 1e-3)
         extrap = 1 - ramp.clamp(0, 1)
         inv = inv / sc.factor * (1 - extrap) + inv * extrap
-    if freq_factors is not None:  # Llama-3 GGUF files carry `rope_freqs.weight` divisors
+    elif sc.kind == "longrope" and sc.long_factors:
+        long = cfg.context_length > sc.original_context
+        factors = sc.long_factors if long else sc.short_factors
+        if len(factors) != dim // 2:
+            raise ModelLoadError(f"LongRoPE: {len(factors)} factors for {dim // 2} "
+                                 f"frequencies")
+        inv = inv / torch.tensor(factors, dtype=torch.float64, device=cpu)
+    if freq_factors is not None:  # GGUF `rope_freqs.weight` (Llama 3) or LongRoPE factors
         inv = inv / freq_factors.to(torch.float64)
     return inv.float()
 
 
-def yarn_attention_factor(cfg: ModelConfig) -> float:
+def attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """The factor on cos and sin (YaRN's and LongRoPE's magnitude correction)."""
     sc = cfg.rope_scaling
-    if sc.kind != "yarn" or sc.factor <= 1:
+    if local or sc.kind not in ("yarn", "longrope"):
         return 1.0
-    return 0.1 * math.log(sc.factor) + 1.0
+    if sc.attention_factor:
+        return sc.attention_factor
+    if sc.factor <= 1:
+        return 1.0
+    if sc.kind == "yarn":
+        return 0.1 * math.log(sc.factor) + 1.0
+    return math.sqrt(1 + math.log(sc.factor) / math.log(sc.original_context))
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, backend: LayerOps, local: bool = False) -> None:
         super().__init__()
         self.backend = backend
         self.rope_dim = cfg.rope_dim
         self.neox = cfg.rope_neox
-        self.mscale = yarn_attention_factor(cfg)
+        self.local = local
+        self.mscale = attention_factor(cfg, local)
         self.max_positions = cfg.context_length
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, local=local), persistent=False)
         self._cos = torch.empty(0, device="cpu")
         self._sin = torch.empty(0, device="cpu")
         self._rot = torch.empty(0, dtype=torch.complex64, device="cpu")
@@ -82,6 +104,9 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (self._rot,) * 3
 
     def set_freq_factors(self, factors: torch.Tensor, cfg: ModelConfig) -> None:
+        """Divides the frequencies by a file's factors [rope_dim/2] (global layers only)."""
+        if self.local:
+            return
         self.inv_freq = rope_inv_freq(cfg, factors)
         self._cos = torch.empty(0)
         self._last_positions = self._tables_positions = None

@@ -22,6 +22,7 @@ from localllm.server.middleware import LocalAPIMiddleware
 from localllm.server.openai_chat import chat_completions
 from localllm.server.openai_completions import completions
 from localllm.server.state import ServerState
+from localllm.server.tokenize import tokenize
 
 log = logging.getLogger("localllm.serve")
 
@@ -36,6 +37,7 @@ ROUTES = [
     Route("/api/show", info.show, methods=["POST"]),
     Route("/api/ps", info.ps, methods=["GET"]),
     Route("/api/version", info.version, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
     Route("/health", info.health, methods=["GET"]),
     Route("/metrics", info.metrics, methods=["GET"]),
     Route("/", info.root, methods=["GET", "HEAD"]),

@@ -75,8 +75,10 @@ class ChoiceState:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
+        self.cached_tokens = out.cached_tokens
         self.text += out.text
         self.token_ids += out.token_ids
         if out.logprobs:
@@ -97,10 +99,14 @@ def failed(choices: list[ChoiceState]) -> None:
             raise APIError(500, f"generation failed: {c.error or 'unknown error'}")
 
 
-def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, int]:
+def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens taken from
+    the prefix cache (the most over the choices)."""
     completion = sum(c.tokens for c in choices)
+    cached = max((c.cached_tokens for c in choices), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def refuse_unsupported(body: Any) -> None:

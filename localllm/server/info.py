@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from localllm.model_card import file_size, parameter_count, quantization, size_label
 from localllm.server.errors import parse_body
 from localllm.server.metrics import CONTENT_TYPE
 from localllm.server.ollama_schemas import ShowRequest
@@ -21,40 +22,12 @@ def _state(request: Request) -> ServerState:
     return request.app.state.serve  # type: ignore[no-any-return]
 
 
-def parameter_count(state: ServerState) -> int:
-    c = state.llm.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    layer += 2 * c.hidden_size + (q + 2 * kv if c.attn_bias else 0)
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embed + c.num_layers * layer + c.hidden_size
-
-
-def _size_label(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
-
-
-def _quantization(state: ServerState) -> str:
-    file_type = state.metadata.get("general.file_type")
-    if isinstance(file_type, int):
-        import gguf
-
-        try:
-            return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
-        except ValueError:
-            pass
-    return "unknown"
-
-
 def _details(state: ServerState) -> dict[str, Any]:
     arch = state.llm.config.arch
     return {"parent_model": "", "format": "gguf" if state.llm.path.is_file() else "safetensors",
             "family": arch, "families": [arch],
-            "parameter_size": _size_label(parameter_count(state)),
-            "quantization_level": _quantization(state)}
+            "parameter_size": size_label(parameter_count(state.llm.config)),
+            "quantization_level": quantization(state.metadata)}
 
 
 def _modified(state: ServerState) -> str:
@@ -66,14 +39,9 @@ def _ollama_name(state: ServerState) -> str:
     return state.model_name if ":" in state.model_name else f"{state.model_name}:latest"
 
 
-def _size(state: ServerState) -> int:
-    p = state.llm.path
-    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir())
-
-
 def _entry(state: ServerState) -> dict[str, Any]:
     return {"name": _ollama_name(state), "model": _ollama_name(state),
-            "modified_at": _modified(state), "size": _size(state),
+            "modified_at": _modified(state), "size": file_size(state.llm.path),
             "digest": state.llm.loaded.fingerprint, "details": _details(state)}
 
 
@@ -90,14 +58,15 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     s = _state(request)
     return JSONResponse({"object": "list", "data": [
-        {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "localllm"}]})
+        {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "localllm",
+         "max_model_len": s.max_model_len}]})
 
 
 async def model(request: Request) -> Response:
     s = _state(request)
     s.check_model(request.path_params["model"])
     return JSONResponse({"id": s.model_name, "object": "model", "created": s.created,
-                         "owned_by": "localllm"})
+                         "owned_by": "localllm", "max_model_len": s.max_model_len})
 
 
 async def tags(request: Request) -> Response:
@@ -116,7 +85,7 @@ async def show(request: Request) -> Response:
     c = s.llm.config
     arch = c.arch
     info = {"general.architecture": arch, "general.name": c.name or s.model_name,
-            "general.parameter_count": parameter_count(s),
+            "general.parameter_count": parameter_count(s.llm.config),
             f"{arch}.context_length": s.max_model_len, f"{arch}.embedding_length": c.hidden_size,
             f"{arch}.block_count": c.num_layers, f"{arch}.attention.head_count": c.num_heads,
             f"{arch}.attention.head_count_kv": c.num_kv_heads}

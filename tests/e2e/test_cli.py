@@ -54,6 +54,7 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != model_path.ENV_VAR}
     env["XDG_CONFIG_HOME"] = str(tmp_path)  # no user config file
     env["XDG_STATE_HOME"] = str(tmp_path)
+    env["XDG_DATA_HOME"] = str(tmp_path)  # chat's saved conversations
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -314,8 +315,10 @@ def test_chat_piped_stdin(tmp_path: Path, smollm_path: Path) -> None:
 
 
 def test_chat_commands_in_process(capsys: pytest.CaptureFixture[str],
-                                  monkeypatch: pytest.MonkeyPatch, stories_path: Path) -> None:
+                                  monkeypatch: pytest.MonkeyPatch, stories_path: Path,
+                                  tmp_path: Path) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("/help\n\n/system Be brief.\nHello\n"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))  # chat saves the conversation there
     rc, out, err = cli(capsys, "chat", "-m", str(stories_path), "--temperature", "0",
                        "--max-tokens", "8", "--dtype", "float32")
     assert rc == 0, err  # end of input ends the chat

@@ -236,7 +236,10 @@ def test_bad_folders(folders: dict[str, Path], tmp_path: Path) -> None:
     _expect_error(bad, "no config.json")
     cfg = json.loads((src / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
-    _expect_error(bad, "unsupported architecture 'GPT2LMHeadModel'")
+    _expect_error(bad, r"unsupported architecture 'GPT2LMHeadModel' \(supported: "
+                  "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+                  "LlamaForCausalLM, MistralForCausalLM, "
+                  r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)")
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
     _expect_error(bad, "config.json says 1 layers")
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -285,7 +288,7 @@ def test_default_model_as_hf_folder(smollm_path: Path, tmp_path: Path) -> None:
 
 
 def test_config_from_transformers_4_layout() -> None:
-    from localllm.config import ModelConfig
+    from localllm.hf.config import config_from_hf
 
     llama31 = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -293,12 +296,14 @@ def test_config_from_transformers_4_layout() -> None:
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
-    cfg = ModelConfig.from_hf_config(llama31)
+    cfg = config_from_hf(llama31)
     assert (cfg.rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.original_context) == (
         500000.0, "llama3", 8192) and cfg.head_dim == 16 and cfg.rope_neox
     mistral = {**llama31, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
                "rope_scaling": None}
-    assert ModelConfig.from_hf_config(mistral).context_length == 4096
+    # a real sliding window now: the context is not capped to it
+    cfg = config_from_hf(mistral)
+    assert (cfg.context_length, cfg.sliding_window, cfg.layer_window(1)) == (131072, 4096, 4096)
     with pytest.raises(ModelLoadError, match="unsupported RoPE scaling type 'dynamic'"):
-        ModelConfig.from_hf_config({**llama31, "rope_scaling": {"type": "dynamic",
+        config_from_hf({**llama31, "rope_scaling": {"type": "dynamic",
                                                                 "factor": 2.0}})

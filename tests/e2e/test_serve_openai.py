@@ -42,7 +42,14 @@ def test_chat_completion_and_stream_with_usage(stories_server: ServeProcess) -> 
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finals[-1] == "length" and set(finals[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert ([getattr(chunks[-1].usage, k) for k in counts]
+            == [getattr(whole.usage, k) for k in counts])
+    # the second request finds the first one's full prompt blocks in the prefix cache
+    block = 16
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None
+    assert details.cached_tokens == (whole.usage.prompt_tokens - 1) // block * block
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -1,5 +1,5 @@
 """Paged attention of the CPU and PyTorch backends against dense causal attention on
-contiguous K/V."""
+contiguous K/V, plain and with a soft-cap and a sliding window."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ import torch
 
 from localllm.backends.cpu import CpuBackend
 from localllm.backends.pytorch.backend import TorchBackend
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 
 
-def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     # q: [T, H, D] (the last T positions); k, v: [C, KV, D] -> [T, H, D]
     t, h, _ = q.shape
     c, kv, _ = k.shape
     k = k.repeat_interleave(h // kv, dim=1)
     v = v.repeat_interleave(h // kv, dim=1)
     scores = torch.einsum("thd,chd->htc", q, k) * scale
-    allowed = torch.arange(c)[None, :] <= torch.arange(c - t, c)[:, None]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    distance = torch.arange(c - t, c)[:, None] - torch.arange(c)[None, :]
+    allowed = (distance >= 0) & ((distance < window) if window else True)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("htc,chd->thd", scores.softmax(-1), v)
 
@@ -30,8 +34,10 @@ def dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (2.0, 0), (0.0, 5), (1.5, 3)])
 def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype: torch.dtype,
-                                             backend: str, cpu_path: str) -> None:
+                                             backend: str, cpu_path: str, softcap: float,
+                                             window: int) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 64
     cache = KVCache(torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype),
@@ -61,10 +67,16 @@ def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype:
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
     ops = CpuBackend() if backend == "cpu" else TorchBackend(torch.device("cpu"))
-    out = ops.attention(q, k_new, v_new, cache, meta, scale=dim ** -0.5)
+    if window:  # entries before every window are never read: poison them
+        for (cached, _), table in zip(seqs, tables):
+            for b in range(max(cached + 1 - window, 0) // bs):
+                cache.k[table[b]] = float("nan")
+                cache.v[table[b]] = float("nan")
+    out = ops.attention(q, k_new, v_new, cache, meta, AttentionSpec(dim ** -0.5, softcap, window))
     start = 0
     for (_, new), k, v in zip(seqs, full_k, full_v):
-        ref = dense_ref(q[start:start + new].float(), k.float(), v.float(), dim ** -0.5)
+        ref = dense_ref(q[start:start + new].float(), k.float(), v.float(), dim ** -0.5,
+                        softcap, window)
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs and output
         torch.testing.assert_close(out[start:start + new].float(), ref, rtol=tol, atol=tol)
         start += new

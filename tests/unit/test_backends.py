@@ -235,3 +235,16 @@ def test_every_package_is_installed() -> None:
                  ["packages"])
     found = {name for name, path in _modules().items() if path.name == "__init__.py"}
     assert found == listed
+
+
+def test_unsupported_architecture_lists_the_supported_ones_in_one_line() -> None:
+    from localllm.config import SUPPORTED_ARCHS
+    from localllm.errors import ModelLoadError
+    from localllm.models.registry import model_class
+
+    with pytest.raises(ModelLoadError) as e:
+        model_class("mamba")
+    msg = str(e.value)
+    assert msg == ("unsupported architecture 'mamba' (supported: gemma2, gemma3, llama, "
+                   "mistral, phi3, qwen2, qwen3)")
+    assert all(model_class(a) is not None for a in SUPPORTED_ARCHS)

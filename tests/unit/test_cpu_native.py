@@ -3,6 +3,7 @@ decode path of a model against its per-op path."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +23,21 @@ from localllm.loader import load_gguf
 from localllm.quant.formats import NF4_CODEBOOK, Int4Weight, pack_nibbles
 
 pytestmark = pytest.mark.skipif(
-    not cpu_native.available(), reason="native CPU kernels need x86-64 AVX-512 (BF16, VBMI) "
-    "and a C compiler; this machine runs the PyTorch path, which the other tests cover")
+    not cpu_native.available(), reason="native CPU kernels need x86-64 AVX2 + FMA + F16C (or "
+    "AVX-512 BF16 + VBMI) and a C compiler; this machine runs the PyTorch path, which the "
+    "other tests cover")
+
+
+@pytest.fixture(autouse=True, params=cpu_native.isas_available() or ("none",))
+def native_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs under each build of the kernels this CPU runs (AVX-512 BF16 and
+    AVX2 on the bigger CPUs), against the same references."""
+    if request.param == "none":  # the module is skipped
+        yield "none"
+        return
+    assert cpu_native.set_isa(str(request.param)) == request.param
+    yield str(request.param)
+    cpu_native.set_isa(None)
 
 
 def bf16_close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-6) -> None:
@@ -317,7 +331,8 @@ def test_int4_gemm_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_a_failed_build_falls_back_with_a_one_line_warning(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        native_isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     # a compiler that fails: no library, PyTorch ops serve, and the log says why in one line
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
@@ -326,7 +341,7 @@ def test_a_failed_build_falls_back_with_a_one_line_warning(
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("LOCALLLM_NATIVE_DIR", str(tmp_path / "build"))
     with caplog.at_level("WARNING", logger="localllm"):
-        assert cpu_native._library.__wrapped__() is None
+        assert cpu_native._library_of.__wrapped__(native_isa) is None
     assert "did not compile (error: no such instruction)" in caplog.text
     assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written is left
 
@@ -414,3 +429,20 @@ def test_nf4_with_fp16_scales_rounds_like_the_fp32_product() -> None:
     assert int((two != want).sum()) <= 3 < 30 <= int((one != want).sum())
 
 
+
+
+def test_each_build_has_its_own_library_file_and_the_switch_forces_one(native_isa: str) -> None:
+    import subprocess
+    import sys
+
+    libs = {p.name.split("-")[0] for p in cpu_native._cache_dir().glob("localllm_cpu_*.so")}
+    assert f"localllm_cpu_{native_isa}" in libs
+    code = ("from localllm.kernels import cpu_native as c; "
+            "print(c.isa(), c.available(), c.gemm_available(), c.unavailable_reason())")
+    for want, expect in ((native_isa, f"{native_isa} True"), ("avx3", "None False False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ, "LOCALLLM_NATIVE_ISA": want}).stdout
+        assert out.startswith(expect), out
+    assert "LOCALLLM_NATIVE_ISA=avx3 is none of avx512, avx2" in out
+    with pytest.raises(ValueError, match="unknown native build 'avx3'"):
+        cpu_native.set_isa("avx3")

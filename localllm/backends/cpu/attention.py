@@ -1,6 +1,6 @@
 """Paged attention on the CPU: native kernels for the K/V store and decode attention where they
-run (bf16 pools, head sizes the kernel takes), PyTorch (`TorchPagedAttention`) otherwise and
-for prompts and chunks.
+run (bf16 pools, head sizes the kernel takes, no soft-cap or sliding window), PyTorch
+(`TorchPagedAttention`) otherwise and for prompts and chunks.
 
 With the native kernels, the K/V store is one call and every decoding sequence of the step is
 attended by one `decode_attention` call (`decode_batch`, built once per step).
@@ -14,7 +14,7 @@ import torch
 
 from localllm.backends.pytorch.attention import TorchPagedAttention
 from localllm.kernels import cpu_native, cpu_ops
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,12 @@ class CpuPagedAttention(TorchPagedAttention):
     """`Backend.attention` on the CPU (see the module docstring)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        if not native_attention(q, cache):
-            return super().forward(q, k, v, cache, meta, scale)
+        # NOTE: the native kernels have no soft-cap and no window: such layers take PyTorch's
+        if not spec.plain or not native_attention(q, cache):
+            return super().forward(q, k, v, cache, meta, spec)
+        scale = spec.scale
         cpu_ops.kv_store(k.flatten(1), v.flatten(1), meta.slot_mapping, cache.k, cache.v)
         batch = meta.plan(decode_batch)
         if batch is None:

@@ -1,4 +1,5 @@
-"""`CpuBackend`: native C kernels (AVX-512 BF16, AMX) where they run, PyTorch ops elsewhere.
+"""`CpuBackend`: native C kernels (AVX-512 BF16 and AMX, or AVX2) where they run, PyTorch ops
+elsewhere.
 
 Whether the kernels run is asked at each call (`cpu_native.available()`), so a process that
 turns them off (`LOCALLLM_NATIVE=0`, tests) takes the PyTorch path with the same weights:

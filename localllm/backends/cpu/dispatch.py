@@ -8,8 +8,9 @@ on the kernel too; the other rows of a larger batch take the first later entry w
 they fit.
 
 `ROW_POLICY[machine, kind]` lists (at most this many rows, path) in order. The machine is
-`amx` (native kernels and AMX tiles), `native` (native kernels, AVX-512 without AMX) or
-`torch` (PyTorch's int4 kernel), or `any` for weights only PyTorch's int8 kernel takes. The
+`amx` (native kernels and AMX tiles), `native` (native kernels without AMX: the AVX-512 or
+the AVX2 build) or `torch` (PyTorch's int4 kernel), or `any` for weights only PyTorch's int8
+kernel takes. The
 kind is, on the native machines, `codes` (groups of 32 without a codebook: AMX tiles read
 their codes directly) or `other`; on `torch`, the planes (PyTorch's kernel runs them one at a
 time, so two-plane weights leave it at half the rows); `int8 per channel` on `any`.
@@ -86,11 +87,11 @@ def machine() -> str:
 
 
 def native_kernels() -> str:
-    """What the native kernels run here, in words ("AVX-512 BF16 + AMX prefill"), or why they
-    are off."""
+    """Which native build runs here, in words ("AVX-512 BF16 + AMX prefill", "AVX2 FMA"), or
+    why the kernels are off."""
     if not cpu_native.available():
         return f"off ({cpu_native.unavailable_reason() or 'the build failed'})"
-    parts = ["AVX-512 BF16"]
+    parts = [{"avx512": "AVX-512 BF16", "avx2": "AVX2 FMA"}.get(cpu_native.isa() or "", "?")]
     if cpu_native.gemm_available():
         parts.append("AMX prefill")
     if cpu_native.amx_enabled():

@@ -38,6 +38,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch_ops.silu_mul(gate_up)
 
 
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # no native kernel: PyTorch's
+    return torch_ops.gelu_mul(gate_up)
+
+
 def rope_(x: torch.Tensor, heads: int, head_dim: int, rope_dim: int, cos: torch.Tensor,
           sin: torch.Tensor, positions: torch.Tensor, neox: bool) -> bool:
     if not _bf16_rows(x):

@@ -1,7 +1,9 @@
 """Decode steps through one native call for the whole decoder stack (`DecoderStack`).
 
 A step where every sequence has one new token, in bf16, with every projection held as a packed
-int4/int8 weight of this backend, no biases and no Q/K norms, skips the per-module Python path:
+int4/int8 weight of this backend, no biases and no Q/K norms, in a Llama-style model
+(`DecoderLayout.plain`: no soft-cap, sliding window, post-norms, GELU or embedding scale, which
+the native stack lacks), skips the per-module Python path:
 `build` describes the model's layers (`DecoderLayout`) to the native kernel once, and the
 returned step runs each such step with one call. The kernel calls the same native functions as
 the per-op path, in the same order, so tokens come out identical either way (a step mixing
@@ -34,7 +36,8 @@ def _packed(lin: LinearBase | None) -> cpu_layers.PackedLinear | None:
 
 def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
     """The layers as a `DecoderStack`, or None when a layer does not fit it."""
-    if layout.dtype != torch.bfloat16 or not cpu_native.available() or not layout.layers:
+    if (layout.dtype != torch.bfloat16 or not cpu_native.available() or not layout.layers
+            or not layout.plain()):
         return None
     layers = []
     for layer in layout.layers:
@@ -51,7 +54,8 @@ def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
         layer.post_norm.eps for layer in layout.layers} | {layout.final_norm.eps}
     dims = cpu_layers.StackDims(layout.hidden_size, layout.num_heads, layout.num_kv_heads,
                                 layout.head_dim, layout.rope.rope_dim, layout.rope.neox,
-                                layout.intermediate_size, eps.pop(), layout.scale)
+                                layout.intermediate_size, eps.pop(),
+                                layout.layers[0].attn.scale)
     if eps:  # one epsilon for all norms
         return None
     try:  # DecoderStack checks the rest (head sizes the attention kernel takes, shapes)

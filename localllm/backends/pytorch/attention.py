@@ -7,6 +7,9 @@
   standing as its queries (GQA without expanding K/V; 2x faster than two small matmuls).
 - Several decodes in one step are attended together: one padded gather of their blocks and
   one SDPA call with a length mask (`decode_plan`, built once per step).
+- A layer with a sliding window or a soft-cap (`AttentionSpec`) attends sequence by sequence
+  over the cached positions its queries may see (gathered from the pools, the window's first
+  position on): SDPA with the windowed causal mask, or, soft-capped, the scores in fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localllm.layers.attention import AttentionMetadata, KVCache, causal_mask
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache, causal_mask
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,17 @@ class TorchPagedAttention:
     """`Backend.attention` in PyTorch (see the module docstring)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         store_kv(cache, k, v, meta.slot_mapping)
+        if not spec.plain:
+            out = torch.empty_like(q)
+            start = 0
+            for i, qlen in enumerate(meta.query_lens):
+                out[start:start + qlen] = windowed(q[start:start + qlen], cache, meta, i, spec)
+                start += qlen
+            return out
+        scale = spec.scale
         if len(meta.query_lens) == 1:  # one sequence: no bookkeeping, no copy of the output
             return self._one(q, k, v, cache, meta, 0, scale)
         out = torch.empty_like(q)
@@ -134,3 +145,33 @@ class TorchPagedAttention:
             scale=scale,
         )  # [B, num_kv_heads, group, head_dim]
         out[plan.rows] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+
+
+def windowed(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, i: int,
+             spec: AttentionSpec) -> torch.Tensor:
+    """Sequence i's queries q [qlen, num_heads, head_dim] over its cached K/V (this step's
+    already stored) as `spec` says -> [qlen, num_heads, head_dim]. Only the positions some
+    query's window reaches are gathered: earlier block-table entries are never read."""
+    qlen, num_heads, head_dim = q.shape
+    num_kv_heads, ctx = cache.k.shape[2], meta.context_lens[i]
+    first = max(ctx - qlen - spec.window + 1, 0) if spec.window else 0
+    slots = meta.seq_slots(i)[first:]
+    kc = cache.k.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    vc = cache.v.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    # kc, vc: [ctx - first, num_kv_heads, head_dim]
+    mask = causal_mask(qlen, ctx, q.device, spec.window, first)  # [qlen, ctx - first]
+    group = num_heads // num_kv_heads
+    if spec.softcap == 0:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kc.transpose(0, 1).to(q.dtype)[None],
+            vc.transpose(0, 1).to(q.dtype)[None], attn_mask=mask, scale=spec.scale,
+            enable_gqa=group != 1,
+        )  # [1, num_heads, qlen, head_dim]
+        return o[0].transpose(0, 1)
+    qh = q.float().transpose(0, 1)  # [num_heads, qlen, head_dim]
+    kh = kc.float().transpose(0, 1).repeat_interleave(group, 0)  # [num_heads, n, head_dim]
+    vh = vc.float().transpose(0, 1).repeat_interleave(group, 0)
+    s = torch.matmul(qh, kh.transpose(1, 2)) * spec.scale  # [num_heads, qlen, n]
+    s = spec.softcap * torch.tanh(s / spec.softcap)
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(p, vh).transpose(0, 1).to(q.dtype)

@@ -15,7 +15,7 @@ import torch
 
 from localllm.backends.pytorch import ops
 from localllm.backends.pytorch.attention import TorchPagedAttention
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from localllm.layers.backend import Backend, Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
@@ -55,6 +55,9 @@ class TorchBackend(Backend):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._ops.silu_mul(gate_up)
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ops.gelu_mul(gate_up)
+
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, rope_dim: int,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               neox: bool) -> bool:
@@ -67,8 +70,8 @@ class TorchBackend(Backend):
         return self._ops.argmax(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._attention.forward(q, k, v, cache, meta, scale)
+                  meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        return self._attention.forward(q, k, v, cache, meta, spec)
 
     def allocate_kv(self, num_layers: int, num_blocks: int, block_size: int,
                     num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[KVCache]:

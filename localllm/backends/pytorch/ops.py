@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from localllm.layers.activation import silu_and_mul
+from localllm.layers.activation import gelu_tanh_and_mul, silu_and_mul
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,6 +26,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
     return silu_and_mul(gate, up)
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gelu_tanh_and_mul(gate, up)
 
 
 def rope_(x: torch.Tensor, heads: int, head_dim: int, rope_dim: int, cos: torch.Tensor,

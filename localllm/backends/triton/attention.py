@@ -1,6 +1,7 @@
 """Paged attention of the Triton backend: the K/V store, then one decode kernel for a step
 where every sequence has one query (split-KV over long contexts), or one extend kernel for
-any other step (prompts, chunks after a cached prefix, and decodes beside them)."""
+any other step (prompts, chunks after a cached prefix, and decodes beside them). Both kernels
+take the layer's soft-cap and sliding window (`AttentionSpec`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from localllm.kernels import triton_decode_attention, triton_extend_attention, triton_ops
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,14 @@ def step_plan(meta: AttentionMetadata) -> StepPlan:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     triton_ops.kv_store(k, v, meta.slot_mapping, cache.k, cache.v)
     plan = meta.plan(step_plan)
     if plan.decode_only:
         return triton_decode_attention.paged_decode_attention(
-            q, cache.k, cache.v, plan.block_tables, plan.context_lens, scale)
+            q, cache.k, cache.v, plan.block_tables, plan.context_lens, spec.scale,
+            softcap=spec.softcap, window=spec.window)
     return triton_extend_attention.paged_extend_attention(
-        q, cache.k, cache.v, plan.block_tables, plan.query_start, plan.context_lens, scale)
+        q, cache.k, cache.v, plan.block_tables, plan.query_start, plan.context_lens,
+        spec.scale, softcap=spec.softcap, window=spec.window)

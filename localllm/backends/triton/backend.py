@@ -24,7 +24,7 @@ from localllm.backends.triton import weights
 from localllm.backends.triton.attention import paged_attention
 from localllm.backends.triton.graphs import StaticDecodeStep
 from localllm.kernels import triton_ops
-from localllm.layers.attention import AttentionMetadata, KVCache
+from localllm.layers.attention import AttentionMetadata, AttentionSpec, KVCache
 from localllm.layers.backend import Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
@@ -83,8 +83,8 @@ class TritonBackend(TorchBackend):
         return True
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, scale)
+                  meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        return paged_attention(q, k, v, cache, meta, spec)
 
     def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         # CUDA graphs on a GPU (LOCALLLM_CUDA_GRAPHS=0 turns them off); none in the

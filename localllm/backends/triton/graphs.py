@@ -59,7 +59,8 @@ class StaticDecodeStep:
 
     def _run(self, b: int, caches: list[KVCache]) -> torch.Tensor:
         positions = self.positions[:b]
-        self.layout.rope.pin_tables(positions)  # no read-back of its maximum while capturing
+        for rope in self.layout.ropes():  # no read-back of their maximum while capturing
+            rope.pin_tables(positions)
         return self.forward(self.input_ids[:b], positions, caches, self._meta(b))
 
     def _capture_all(self, caches: list[KVCache]) -> None:

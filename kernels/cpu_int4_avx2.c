@@ -1,0 +1,250 @@
+/* The int4 weight-only matmul and dequantization of the AVX2 build (AVX2 + FMA + F16C), on
+ * the packed layout and formula of cpu_int4.h, and the AMX entry points as "not here" stubs.
+ *
+ * No bf16 dot product: each code c becomes an fp32 number (c, or the codebook's hi + lo) and
+ * x (bf16, widened exactly) multiplies it in fp32 FMAs. Per group of gs columns, with
+ * a = sum_k x[k] c[n, k] and sx = sum of x:
+ *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sx         (codebooks: s a + z sx)
+ * Every output row n of every row m of x is summed in one order: a from 0 over the group's
+ * columns in order, then y = fma(s, a, y), y = fma(zz, sx, y), group by group; whatever M
+ * is, so a row gets bitwise the same result alone or in a batch. For M > 1 each group's
+ * weights are converted once into an L1 buffer that every row reads.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+#include "cpu_simd_avx2.h"
+
+#define TILE 64
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* weight bytes read ahead of use */
+#endif
+
+typedef struct {
+    const uint16_t *p;
+    int64_t n_pad, plane_groups; /* plane_groups = K / gs */
+    int half, planes;
+} Scales;
+
+/* scale of rows row..row+7 of group g (g < K2 / gs) in fp32; *zz = zero - bias * scale
+ * (the forms of cpu_int4.h's `Scales`) */
+static inline __m256 group_scale8(const Scales *s, int64_t g, int64_t row, float bias,
+                                  __m256 *zz) {
+    __m256 sc, zr;
+    if (s->half) {
+        const uint16_t *p = s->p + (g % s->plane_groups) * s->n_pad + row;
+        const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
+        sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
+        zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
+    } else {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(s->p + (g * s->n_pad + row) * 2));
+        sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        zr = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+    *zz = _mm256_fnmadd_ps(sc, _mm256_set1_ps(bias), zr);
+    return sc;
+}
+
+/* the fp32 value of the codes in each lane: c itself, or lut[c] (lut0: entries 0-7, lut1:
+ * 8-15) */
+static inline __m256 code_values(__m256i c, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    if (!USE_LUT) return _mm256_cvtepi32_ps(c);
+    const __m256 a = _mm256_permutevar8x32_ps(lut0, c), b = _mm256_permutevar8x32_ps(lut1, c);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+}
+
+/* column k of a 64-row tile (32 bytes at col) -> w[i], rows 8i..8i+7, fp32 */
+static inline __attribute__((always_inline)) void column8(const uint8_t *col, __m256 w[8],
+                                                          const int USE_LUT, __m256 lut0,
+                                                          __m256 lut1) {
+    for (int q = 0; q < 4; q++) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 8 * q)));
+        w[q] = code_values(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), USE_LUT, lut0, lut1);
+        w[4 + q] = code_values(_mm256_srli_epi32(b, 4), USE_LUT, lut0, lut1);
+    }
+}
+
+/* y (fp32 [64], running) += group g of one 64-row tile for one row of x: a in registers,
+ * columns decoded on the fly (wbuf NULL) or read from wbuf (fp32 [GS][64], the same values) */
+static inline __attribute__((always_inline)) void group_row(
+    const uint8_t *gcols, const float *wbuf, const uint16_t *xg, const __m256 sc[8],
+    const __m256 zz[8], float sx, float *y, const int GS, const int USE_LUT, __m256 lut0,
+    __m256 lut1) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int k = 0; k < GS; k++) {
+        uint32_t bits = (uint32_t)xg[k] << 16;
+        float xf;
+        __builtin_memcpy(&xf, &bits, 4);
+        const __m256 xk = _mm256_set1_ps(xf);
+        if (wbuf) {
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
+        } else {
+            __m256 w[8];
+            column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
+        }
+    }
+    const __m256 sxv = _mm256_set1_ps(sx);
+    for (int i = 0; i < 8; i++) {
+        __m256 v = _mm256_fmadd_ps(sc[i], a[i], _mm256_loadu_ps(y + 8 * i));
+        _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(zz[i], sxv, v));
+    }
+}
+
+#define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
+
+/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time */
+static inline __attribute__((always_inline)) void tile8(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
+    int64_t t, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
+    const float bias = USE_LUT ? 0.0f : 8.0f;
+    float wbuf[32 * TILE] __attribute__((aligned(32)));
+    float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64] running sums */
+    const uint8_t *tile = packed + t * tile_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+        for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 sc[8], zz[8];
+            for (int i = 0; i < 8; i++)
+                sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
+            const uint8_t *gcols = tile + g * GS * 32;
+            for (int l = 0; l < GS * 32; l += 64)
+                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, _MM_HINT_T0);
+            const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
+            const float *xs = xsum + m0 * groups + g;
+            if (mc == 1) {
+                group_row(gcols, NULL, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT,
+                          lut0, lut1);
+                continue;
+            }
+            for (int k = 0; k < GS; k++) {
+                __m256 w[8];
+                column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
+            }
+            for (int64_t m = 0; m < mc; m++)
+                group_row(gcols, wbuf, x + (m0 + m) * ldx + kx, sc, zz, xs[m * groups],
+                          out + m * TILE, GS, USE_LUT, lut0, lut1);
+        }
+        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < mc; m++)
+            for (int64_t r = 0; r < rows; r += 8)
+                store_bf16_n(y + (m0 + m) * ldy + n0 + r, _mm256_load_ps(out + m * TILE + r),
+                             rows - r);
+    }
+}
+
+/* int4_mm of cpu_kernels.h */
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+    if (gs != 32 && gs != 16) return -2;
+    const Scales sz = {sz_p, n_pad, K / gs, half_scales != 0, (int)planes};
+    const int64_t K2 = planes * K, groups = K2 / gs;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = x + m * ldx + (g * gs) % K;
+            float acc = 0.0f;
+            for (int i = 0; i < gs; i++) {
+                uint32_t bits = (uint32_t)xg[i] << 16;
+                float f;
+                __builtin_memcpy(&f, &bits, 4);
+                acc += f;
+            }
+            xsum[m * groups + g] = acc;
+        }
+    __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
+    if (lut) { /* the fp32 codebook hi + lo */
+        lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
+        lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
+    }
+    /* NOTE: the group size and codebook switch inside the parallel loop, so that each
+     * inlined copy of tile8 is compiled with them as constants */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n_pad / TILE; t++) {
+        if (gs == 32 && !lut)
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
+        else if (gs == 16 && !lut)
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
+        else if (gs == 32)
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
+        else
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
+    }
+    free(xsum);
+    return 0;
+}
+
+/* no AMX in this build: prompts take int4_mm (or int4_dequant_t and PyTorch's matmul) */
+int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                  const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+    return int4_mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales);
+}
+
+int int4_gemm_ready(void) { return 0; }
+
+int int4_amx_enable(int on) {
+    (void)on;
+    return 0;
+}
+
+int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+              const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t gated) {
+    (void)x, (void)M, (void)K, (void)ldx, (void)packed, (void)sz, (void)N, (void)n_pad;
+    (void)planes, (void)y, (void)ldy, (void)gs, (void)lut, (void)half_scales, (void)gated;
+    return -2;
+}
+
+/* int4_dequant_t of cpu_kernels.h: wt[k][n] = the planes' (c - 8) s + z (codebooks lut[c] s
+ * + z) summed in fp32, rounded once */
+void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int64_t n_pad,
+                    int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
+                    int64_t half_scales) {
+    const Scales sz = {sz_p, n_pad, K / gs, half_scales != 0, (int)planes};
+    __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
+    if (lut) {
+        lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
+        lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
+    }
+    const float bias = lut ? 0.0f : 8.0f;
+    const int64_t K2 = planes * K;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n_pad / TILE; t++) {
+        const uint8_t *tile = packed + t * K2 * 32;
+        for (int64_t g = 0; g < K / gs; g++) {
+            __m256 sc[2][8], zz[2][8];
+            for (int64_t p = 0; p < planes; p++)
+                for (int i = 0; i < 8; i++)
+                    sc[p][i] = group_scale8(&sz, p * K / gs + g, t * TILE + 8 * i, bias,
+                                            &zz[p][i]);
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                __m256 w[8], acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t p = 0; p < planes; p++) {
+                    if (lut)
+                        column8(tile + (p * K + k) * 32, w, 1, lut0, lut1);
+                    else
+                        column8(tile + (p * K + k) * 32, w, 0, lut0, lut1);
+                    for (int i = 0; i < 8; i++) {
+                        const __m256 v = _mm256_fmadd_ps(w[i], sc[p][i], zz[p][i]);
+                        acc[i] = _mm256_add_ps(acc[i], v); /* 0 + v = v exactly */
+                    }
+                }
+                for (int i = 0; i < 8; i++) store8_bf16(wt + k * n_pad + t * TILE + 8 * i, acc[i]);
+            }
+        }
+    }
+}
