@@ -35,6 +35,7 @@ from localllm.config import SchedulerConfig  # noqa: E402
 from localllm.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from localllm.kernels import cpu_native  # noqa: E402
 from localllm.layers.linear import LinearBase, QuantLinear  # noqa: E402
+from localllm.machine import cpu_model  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the budget "
@@ -91,18 +92,6 @@ def kv_blocks_touched(llm: LLM) -> int:
     if untouched and keys[untouched - 1] != bm.num_blocks - 1:
         untouched = 0  # that run was recycled blocks, not the never-used tail
     return bm.num_blocks - untouched
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def read_bandwidth_gbs(mib: int, repeat: int = 5) -> float:

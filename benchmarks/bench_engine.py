@@ -39,6 +39,7 @@ from localllm.engine.engine import RequestOutput  # noqa: E402
 from localllm.engine.metrics import EngineSnapshot, percentile  # noqa: E402
 from localllm.engine.request import Request  # noqa: E402
 from localllm.kernels import cpu_native  # noqa: E402
+from localllm.machine import cpu_model  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 TEXT = ("The committee met on Tuesday to discuss the budget for the new library. Members argued "
@@ -104,18 +105,6 @@ def timed(fn: Callable[..., Any], acc: list[float], cpu: list[float]) -> Callabl
             acc.append(time.perf_counter() - t)
             cpu.append(time.thread_time() - c)
     return wrapper
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, float]:
