@@ -1,8 +1,7 @@
 """What a loaded model is, in words a person reads: its name, size, quantization and context.
 
 Shared by `serve`'s model routes and the apps' banner. Counts come from the config (no weights
-are read): the parameter count covers embeddings, attention, MLP, norms and the head, with tied
-embeddings counted once.
+are read; `localllm.model_stats.param_counts`, tied embeddings counted once).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.config import ModelConfig
+from localllm.model_stats import param_counts
 
 _QUANT_SUFFIXES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_0", "q5_1",
                    "q4_k_m", "q4_k_s", "q4_0", "q4_1", "q3_k_m", "q3_k_s", "q3_k_l", "q2_k",
@@ -19,11 +19,7 @@ _QUANT_SUFFIXES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5
 
 
 def parameter_count(c: ModelConfig) -> int:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    layer += 2 * c.hidden_size + (q + 2 * kv if c.attn_bias else 0)
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embed + c.num_layers * layer + c.hidden_size
+    return param_counts(c).total
 
 
 def size_label(n: int) -> str:
