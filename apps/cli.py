@@ -110,7 +110,12 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
     from localllm.loader import stderr_progress
 
     cache = cache_config(args, int(args.kv_cache_memory * 2**30))
-    sched = SchedulerConfig(max_model_len=args.max_model_len)
+    default = SchedulerConfig()
+    sched = SchedulerConfig(
+        max_model_len=args.max_model_len,
+        max_num_seqs=getattr(args, "max_num_seqs", None) or default.max_num_seqs,
+        max_num_batched_tokens=(getattr(args, "max_num_batched_tokens", None)
+                                or default.max_num_batched_tokens))
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
               num_threads=threads or args.threads, progress=stderr_progress("loading"),
               quantize=args.quantize, device=args.device,

@@ -34,7 +34,8 @@ async def open_client(args: argparse.Namespace, load: LoadFn) -> Client:
 
         key = args.api_key or os.environ.get("LOCALLLM_API_KEY") or os.environ.get(
             "OPENAI_API_KEY")
-        return await RemoteClient.connect(args.endpoint, key, args.model)
+        return await RemoteClient.connect(args.endpoint, key, args.model,
+                                          getattr(args, "extra_body", None))
     import torch
 
     from localllm.client.local import LocalClient

@@ -73,8 +73,9 @@ class RemoteClient(Client):
     `await RemoteClient.connect(...)`, which asks the server what it serves."""
 
     def __init__(self, endpoint: str, api_key: str | None, model: str | None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, extra_body: dict[str, Any] | None = None) -> None:
         self.endpoint = endpoint
+        self.extra_body = dict(extra_body or {})  # more JSON fields for every request
         base, uds = _split_endpoint(endpoint)
         transport = httpx2.AsyncHTTPTransport(uds=uds) if uds else None
         self._http = openai.DefaultAsyncHttpxClient(transport=transport, timeout=timeout)
@@ -87,8 +88,9 @@ class RemoteClient(Client):
 
     @classmethod
     async def connect(cls, endpoint: str, api_key: str | None = None,
-                      model: str | None = None) -> RemoteClient:
-        client = cls(endpoint, api_key, model)
+                      model: str | None = None,
+                      extra_body: dict[str, Any] | None = None) -> RemoteClient:
+        client = cls(endpoint, api_key, model, extra_body=extra_body)
         try:
             await client._describe()
         except BaseException:
@@ -131,7 +133,7 @@ class RemoteClient(Client):
         common: dict[str, Any] = dict(
             model=self.model, stream=True, stream_options={"include_usage": True},
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            extra_body=_body(params))
+            extra_body={**_body(params), **self.extra_body})
         if params.seed is not None:
             common["seed"] = params.seed
         if params.stop:
@@ -184,6 +186,16 @@ class RemoteClient(Client):
                 pass
             self._tokenize = False
         return len(text.encode()) // 3 + 1
+
+    async def get_text(self, path: str) -> str | None:
+        """GET `path` at the server's root (e.g. `/metrics`): the body, or None where the
+        server has no such route or cannot be reached."""
+        try:
+            r = await self._http.get(f"{self._root}{path}", headers={
+                "Authorization": f"Bearer {self.api.api_key}"})
+        except httpx2.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
 
     async def aclose(self) -> None:
         await self.api.close()
