@@ -50,6 +50,8 @@ diagnosis (one or two lines, with the setting to change):
   queueing-bound        requests wait while the KV cache has room: TTFT is queue time
   prefill-interference  gaps between tokens are >= 2x longer while another prompt is
                         processed, and those make most of the slowest 10% of gaps
+  cpu-contention        in-process: the engine got under 60% of the CPU time its threads
+                        could use while it had work (other processes take the cores)
   compute-bound         nothing waits, yet the gap between tokens grows >= 1.5x with the
                         number of requests decoding at once
 """
@@ -154,7 +156,7 @@ async def _bench(args: argparse.Namespace, load_llm: LoadFn) -> int:
     from localllm.apps import bench_serve_report as report
     from localllm.apps.bench_serve_runner import run_workload
     from localllm.apps.connect import open_client
-    from localllm.bench.diagnosis import diagnose, signals
+    from localllm.bench.diagnosis import cpu_share, diagnose, signals
     from localllm.bench.summary import Slo, summarize, summarize_engine
     from localllm.client import collect
     from localllm.config import SamplingParams
@@ -175,7 +177,11 @@ async def _bench(args: argparse.Namespace, load_llm: LoadFn) -> int:
     measured = [r for r in run.records if r.error != "interrupted"]
     summary = summarize(measured, slo)
     engine = summarize_engine(run.samples)
-    sig = signals(measured, run.samples)
+    share = None
+    if not args.endpoint:
+        threads = getattr(getattr(client, "engine", None), "num_threads", 0)
+        share = cpu_share(run.cpu_seconds, run.wall, threads, run.samples)
+    sig = signals(measured, run.samples, share)
     findings = diagnose(sig, local=not args.endpoint, request_rate=summary.request_throughput)
     rate = "all at once" if math.isinf(args.request_rate) else (
         f"{args.request_rate:g} requests/s (burstiness {args.burstiness:g})")

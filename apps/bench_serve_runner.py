@@ -39,6 +39,8 @@ class RunResult(NamedTuple):
     records: list[RequestTimeline]  # in request order
     samples: list[EngineSample]
     interrupted: bool
+    wall: float  # seconds the run took
+    cpu_seconds: float  # CPU time of this process (all its threads) meanwhile
 
 
 def parse_metrics(text: str) -> tuple[float, int, int, int] | None:
@@ -159,6 +161,7 @@ async def run_workload(client: Client, specs: Sequence[RequestSpec], send_at: Se
     slots = asyncio.Semaphore(concurrency) if concurrency and not math.isinf(concurrency) \
         else None
     interrupted = False
+    cpu0 = time.process_time()
     try:
         await asyncio.gather(*(_one(client, rec, i, s, send_at[i], params, slots)
                                for i, s in enumerate(specs)))
@@ -173,4 +176,5 @@ async def run_workload(client: Client, specs: Sequence[RequestSpec], send_at: Se
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
         rec.bar.close()
-    return RunResult([r for r in rec.records if r is not None], samples, interrupted)
+    return RunResult([r for r in rec.records if r is not None], samples, interrupted,
+                     rec.now(), time.process_time() - cpu0)

@@ -11,11 +11,15 @@ Signals (`signals`), each from what the run recorded:
   the share of the slowest 10% of gaps that overlap a prefill.
 - batch ITL ratio: among gaps that overlap no prefill, the median gap at the largest decode
   batch seen (requests between their first token and their end) over the median at the
-  smallest.
+  smallest (batch sizes with at least 2 such gaps).
+- CPU share (in-process only): the CPU time the process got over the time it had work (samples
+  with a request running or waiting) times its engine threads: well under 1 when other
+  processes take the cores.
 
 Verdicts (`diagnose`), most specific first, at most two:
 
 - kv-capacity: preemptions, or a KV peak of 95% or more with requests waiting in 10% of samples.
+- cpu-contention: a CPU share under 60%.
 - queueing: requests waiting with KV room in 20% of samples or more (without engine samples:
   mean TTFT at least 3x the smallest TTFT, a client-side estimate).
 - prefill-interference: prefill ITL ratio >= 2 and tail share >= 50%.
@@ -49,6 +53,16 @@ class Signals(NamedTuple):
     batch_lo: int | None
     batch_hi: int | None
     batch_itl_ratio: float | None
+    cpu_share: float | None = None
+
+
+def cpu_share(cpu_seconds: float, wall: float, threads: int,
+              samples: Sequence[EngineSample]) -> float | None:
+    """CPU time over the busy wall time x threads; busy: the share of samples with work."""
+    if not samples or wall <= 0 or threads <= 0:
+        return None
+    busy = sum(s.running + s.waiting > 0 for s in samples) / len(samples)
+    return cpu_seconds / (wall * busy * threads) if busy else None
 
 
 class Finding(NamedTuple):
@@ -85,7 +99,9 @@ def _gap_tables(records: Sequence[RequestTimeline]) -> tuple[np.ndarray, np.ndar
     return np.concatenate(lengths), np.concatenate(overlaps), np.concatenate(batch)
 
 
-def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample]) -> Signals:
+def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample],
+            cpu: float | None = None) -> Signals:
+    """`cpu`: the CPU share (`cpu_share`), where known."""
     n = len(samples)
     waiting = sum(s.waiting > 0 for s in samples) / n if n else None
     room = sum(s.waiting > 0 and s.kv_utilization < KV_ROOM for s in samples) / n if n else None
@@ -99,13 +115,15 @@ def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample])
         tail = float(overlap[slow].mean())
     lo = hi = bratio = None
     quiet, qbatch = gaps[~overlap], batch[~overlap]
-    if len(quiet):
-        lo, hi = int(qbatch.min()), int(qbatch.max())
+    sizes, counts = np.unique(qbatch, return_counts=True)
+    sizes = sizes[counts >= 2]
+    if len(sizes):
+        lo, hi = int(sizes.min()), int(sizes.max())
         if hi > lo:
             bratio = float(np.median(quiet[qbatch == hi]) / np.median(quiet[qbatch == lo]))
     return Signals(n, waiting, room, max((s.kv_utilization for s in samples), default=None),
                    samples[-1].preemptions - samples[0].preemptions if n else None,
-                   over_min, ratio, tail, lo, hi, bratio)
+                   over_min, ratio, tail, lo, hi, bratio, cpu)
 
 
 def _pct(x: float) -> str:
@@ -128,6 +146,13 @@ def diagnose(s: Signals, local: bool, request_rate: float | None = None) -> list
             "once (--concurrency / --request-rate)" if local else
             "give the server's KV cache more memory (vLLM --gpu-memory-utilization, "
             "llama-server --ctx-size) or send fewer requests at once (--concurrency)"))
+    elif s.cpu_share is not None and s.cpu_share < 0.6:
+        out.append(Finding(
+            "cpu-contention",
+            f"the engine got {_pct(s.cpu_share)} of the CPU time its threads could use: "
+            "other processes take the cores",
+            "stop them, or give the engine fewer threads (--threads) so its threads do not "
+            "wait on each other"))
     elif (s.waiting_with_kv_room_share or 0) >= 0.2 or (
             s.samples == 0 and (s.ttft_mean_over_min or 0) >= 3):
         rate = f" (it completes {request_rate:.2f} requests/s)" if request_rate else ""
@@ -158,8 +183,11 @@ def diagnose(s: Signals, local: bool, request_rate: float | None = None) -> list
             "the machine's compute is the limit: a bigger machine (more cores, a GPU), or "
             "fewer requests at once for lower latency (--concurrency)"))
     if not out:
+        growth = (f"the gap between tokens changes {s.batch_itl_ratio:.1f}x from {s.batch_lo} "
+                  f"to {s.batch_hi} requests decoding" if s.batch_itl_ratio is not None else
+                  "one decode batch size only")
+        kv = f", the KV cache peaked at {_pct(s.kv_peak)}" if s.kv_peak is not None else ""
         out.append(Finding(
-            "none", "nothing waits, the KV cache has room and the gap between tokens stays "
-            "within 1.5x as more requests decode",
+            "none", f"requests waited in {_pct(waiting)} of samples{kv}, {growth}",
             "raise --concurrency or --request-rate to find this machine's limit"))
     return out[:2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.bench.diagnosis import diagnose, signals
+from localllm.bench.diagnosis import cpu_share, diagnose, signals
 from localllm.bench.summary import Slo, summarize, summarize_engine
 from localllm.bench.timeline import EngineSample, RequestTimeline
 
@@ -141,3 +141,15 @@ def test_nothing_limits_a_light_load() -> None:
     assert sig.batch_itl_ratio is None and sig.prefill_itl_ratio is None
     [n] = diagnose(sig, local=True)
     assert n.kind == "none" and n.line().startswith("no limit reached")
+
+
+def test_cpu_contention() -> None:
+    # work in 3 of 4 samples over a 2 s run: 1.5 busy seconds x 2 threads = 3 CPU seconds
+    # could be used; 1.2 were had -> 40%
+    samples = [EngineSample(0.0, 0.1, 1, 0, 0), EngineSample(0.5, 0.1, 0, 1, 0),
+               EngineSample(1.0, 0.1, 2, 0, 0), EngineSample(1.5, 0.1, 0, 0, 0)]
+    share = cpu_share(1.2, 2.0, 2, samples)
+    assert share == approx(0.4)
+    [c] = diagnose(signals([_rec(0, 0.0, (1.0, 2.0))], samples, share), local=True)
+    assert c.kind == "cpu-contention" and "40%" in c.evidence
+    assert cpu_share(1.2, 2.0, 2, []) is None
