@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -168,8 +169,11 @@ async def _bench(args: argparse.Namespace, load_llm: LoadFn) -> int:
         specs, send_at = await _workload(client, args)
         params = SamplingParams(max_tokens=1, temperature=args.temperature, seed=args.seed,
                                 ignore_eos=True)
-        await collect(client.stream_text("Warm up: hello", params))  # not measured
         concurrency = args.concurrency or (4 if math.isinf(args.request_rate) else None)
+        # not measured: the first prefill and batched decode steps of a process are slow
+        warm = dataclasses.replace(params, max_tokens=2)
+        await asyncio.gather(*(collect(client.stream_text(f"Warm up {i}: hello", warm))
+                               for i in range(min(concurrency or 4, 4))))
         run = await run_workload(client, specs, send_at, params, concurrency,
                                  progress=not args.no_progress)
     finally:

@@ -68,3 +68,32 @@ def test_bench_serve_in_process_with_a_shared_prefix(stories_path: Path, tmp_pat
     assert doc["summary"]["prefix_hit_rate"] > 0.2
     assert f"prefix cache: {100 * doc['summary']['prefix_hit_rate']:.0f}%" in text
     assert doc["samples"] and "cpu_share" in doc["signals"]  # None in a run under 50 ms
+
+
+def test_ctrl_c_reports_what_was_measured(stories_path: Path) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localllm.apps.cli", "bench", "serve", "--model", str(stories_path),
+         "--dtype", "float32", "--threads", "1", "--num-requests", "500", "--input-len", "16",
+         "--output-len", "32", "--concurrency", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stderr is not None
+    seen = ""
+    deadline = time.monotonic() + 60
+    while not re.search(r"\b[1-9]\d*/500\b", seen):  # the progress bar: some are done
+        assert time.monotonic() < deadline and proc.poll() is None, seen
+        seen += os.read(proc.stderr.fileno(), 4096).decode()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "(interrupted: what was measured so far)" in out
+    m = re.search(r"(\d+) completed, 0 failed", out)
+    assert m and 0 < int(m.group(1)) < 500
+    assert any(line.startswith("TTFT") for line in out.splitlines())

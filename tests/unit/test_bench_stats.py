@@ -117,7 +117,7 @@ def test_prefill_interference_bound() -> None:
     # overlapping gaps: [3]; the other 8 gaps are 1 -> ratio 3. The slowest 10% (>= the 0.9
     # quantile 1 + .2 * 2 = 1.4) is the one gap of 3, which overlaps B's prefill.
     assert (sig.prefill_itl_ratio, sig.prefill_tail_share) == (3.0, 1.0)
-    # quiet gaps at batch 1 (A alone: 4 gaps) and 2 (A and B: 4 gaps), all 1 -> ratio 1
+    # quiet gaps at batch 1 (A alone: 4 gaps) and 2 (A and B: 4 gaps), all 1 -> mean ratio 1
     assert (sig.batch_lo, sig.batch_hi, sig.batch_itl_ratio) == (1, 2, 1.0)
     assert sig.ttft_mean_over_min == 2.0  # TTFT 1 and 3: no queueing estimate
     [p] = diagnose(sig, local=True)
@@ -127,7 +127,7 @@ def test_prefill_interference_bound() -> None:
 
 def test_compute_bound() -> None:
     # A alone: gaps 1, 1; B sent at 3 (its prompt overlaps A's gap 3..5, left out); then both
-    # decode with gaps of 2 (A: 5-7-9, B: 4.5-6.5-8.5) -> median 2 at batch 2 vs 1 at batch 1
+    # decode with gaps of 2 (A: 5-7-9, B: 4.5-6.5-8.5) -> mean 2 at batch 2 vs 1 at batch 1
     recs = [_rec(0, 0.0, (1.0, 2.0, 3.0, 5.0, 7.0, 9.0)), _rec(1, 3.0, (4.5, 6.5, 8.5))]
     sig = signals(recs, _samples([(0.2, 0, 0)] * 4))
     assert (sig.batch_lo, sig.batch_hi, sig.batch_itl_ratio) == (1, 2, 2.0)
