@@ -50,7 +50,7 @@ diagnosis (one or two lines, with the setting to change):
   kv-capacity-bound     preemptions, or the KV cache >= 95% full while requests wait
   queueing-bound        requests wait while the KV cache has room: TTFT is queue time
   prefill-interference  gaps between tokens are >= 2x longer while another prompt is
-                        processed, and those make most of the slowest 10% of gaps
+                        processed, and such gaps take >= 20% of all time between tokens
   cpu-contention        in-process: the engine got under 60% of the CPU time its threads
                         could use while it had work (other processes take the cores)
   compute-bound         nothing waits, yet the gap between tokens grows >= 1.5x with the
@@ -87,7 +87,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="in-process engine: tokens of one step, i.e. the prefill chunk "
                    "(default: 512)")
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", "-n", type=_positive(int), default=32)
+    w.add_argument("--num-requests", "-n", type=_positive(int), default=32,
+                   help="requests to send (default: 32)")
     w.add_argument("--concurrency", type=_positive(int), default=None,
                    help="at most this many requests open at once (default: 4 without "
                    "--request-rate, else no limit)")
@@ -97,11 +98,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     w.add_argument("--burstiness", type=_positive(float), default=1.0,
                    help="shape of the gamma distribution of the gaps between arrivals: 1 "
                    "Poisson, < 1 burstier, > 1 more even (default: 1)")
-    w.add_argument("--input-len", type=_positive(int), default=256, help="prompt tokens")
+    w.add_argument("--input-len", type=_positive(int), default=256,
+                   help="prompt tokens (default: 256)")
     w.add_argument("--input-range", type=_fraction, default=0.0,
                    help="prompt lengths uniform in input-len x [1 - r, 1 + r] (default: 0)")
     w.add_argument("--output-len", type=_positive(int), default=64,
-                   help="output tokens (generated to length: end-of-text is ignored)")
+                   help="output tokens, generated to length: end-of-text is ignored "
+                   "(default: 64)")
     w.add_argument("--output-range", type=_fraction, default=0.0,
                    help="output lengths uniform in output-len x [1 - r, 1 + r] (default: 0)")
     w.add_argument("--shared-prefix", type=_fraction, default=0.0,

@@ -3,7 +3,8 @@
 Top: the distributions (CDFs) of TTFT, ITL and E2E latency, with the SLOs where set. Bottom,
 over the run's time: each request as a bar (waiting for a client slot, waiting for its first
 token, streaming), the engine's KV utilization with running and waiting requests, and the
-output tokens/s. The diagnosis is the figure's title.
+output tokens/s with the spans in which prompts were processed (from a request's sending to
+its first token) shaded. The diagnosis is the figure's title.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def figure(run: RunResult, findings: list[Finding], slo: Slo) -> Any:
 
     a_req.legend(handles=[Patch(color="tab:grey", label="client slot wait"),
                           Patch(color="tab:red", label="to first token"),
-                          Patch(color="tab:green", label="streaming")], loc="lower right",
+                          Patch(color="tab:green", label="streaming")], loc="upper right",
                  fontsize="small")
 
     a_eng.set_title(TITLES[4])
@@ -79,14 +80,16 @@ def figure(run: RunResult, findings: list[Finding], slo: Slo) -> Any:
         a_eng.fill_between(t, [100 * s.kv_utilization for s in run.samples], step="post",
                            alpha=0.3, color="tab:purple", label="KV used %")
         a_eng.set_ylabel("KV cache used (%)")
-        a_eng.set_ylim(0, 105)
         counts = a_eng.twinx()
         counts.step(t, [s.running for s in run.samples], where="post", color="tab:green",
                     label="running")
         counts.step(t, [s.waiting for s in run.samples], where="post", color="tab:red",
                     label="waiting")
         counts.set_ylabel("requests")
-        counts.set_ylim(bottom=0)
+        peak = max(max(s.running, s.waiting) for s in run.samples)
+        counts.set_ylim(0, 1.4 * max(peak, 1))  # room for the legend above the lines
+        a_eng.set_ylim(0, 140)
+        a_eng.set_yticks(range(0, 101, 20))
         h1, l1 = a_eng.get_legend_handles_labels()
         h2, l2 = counts.get_legend_handles_labels()
         a_eng.legend(h1 + h2, l1 + l2, loc="upper right", fontsize="small")
@@ -105,8 +108,9 @@ def figure(run: RunResult, findings: list[Finding], slo: Slo) -> Any:
                                weights=[n for _, n in stamps])
         a_tok.step(edges[:-1], hist / width, where="post", color="tab:blue")
         for r in run.records:
-            a_tok.axvline(r.sent, color="tab:red", lw=0.4, alpha=0.4)
-        a_tok.set_ylabel("tokens/s (red: a request sent)")
+            if r.chunk_times:
+                a_tok.axvspan(r.sent, r.chunk_times[0], color="tab:red", alpha=0.12, lw=0)
+        a_tok.set_ylabel("tokens/s (red: prompts being processed)")
     for ax in (a_req, a_eng, a_tok):
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.fill(f.line(), 170) for f in findings), fontsize="medium")

@@ -4,33 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
 from localllm.apps.bench_serve_runner import RunResult
 from localllm.bench.diagnosis import Finding, Signals
+from localllm.bench.machine import describe as machine
 from localllm.bench.summary import EngineSummary, ServeSummary, Slo, Stat
 from localllm.model_card import ModelCard
-
-
-def machine(runs_on: str) -> dict[str, Any]:
-    """The machine this ran on: CPU model, cores, GPU where present, and where the model ran."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "backend": runs_on,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform()}
 
 
 def _ms(s: Stat | None) -> str:

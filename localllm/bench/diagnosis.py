@@ -7,8 +7,8 @@ Signals (`signals`), each from what the run recorded:
   step's token budget, not for memory).
 - KV peak and preemptions over the run.
 - prefill ITL ratio: the median inter-token gap that overlaps another request's prefill (its
-  span from being sent to its first token) over the median gap that overlaps none; tail share:
-  the share of the slowest 10% of gaps that overlap a prefill.
+  span from being sent to its first token) over the median gap that overlaps none; prefill
+  time share: the share of all time between tokens spent in such gaps.
 - batch ITL ratio: among gaps that overlap no prefill, the mean gap at the largest decode
   batch seen (requests between their first token and their end) over the mean at the
   smallest (batch sizes with at least 2 such gaps and 5% of them). Means, not medians: a
@@ -23,7 +23,7 @@ Verdicts (`diagnose`), most specific first, at most two:
 - cpu-contention: a CPU share under 60%.
 - queueing: requests waiting with KV room in 20% of samples or more (without engine samples:
   mean TTFT at least 3x the smallest TTFT, a client-side estimate).
-- prefill-interference: prefill ITL ratio >= 2 and tail share >= 50%.
+- prefill-interference: prefill ITL ratio >= 2 and prefill time share >= 20%.
 - compute: batch ITL ratio >= 1.5 with requests waiting in under 20% of samples.
 Else: none (the machine has headroom at this load).
 """
@@ -50,7 +50,7 @@ class Signals(NamedTuple):
     preemptions: int | None
     ttft_mean_over_min: float | None
     prefill_itl_ratio: float | None
-    prefill_tail_share: float | None
+    prefill_time_share: float | None
     batch_lo: int | None
     batch_hi: int | None
     batch_itl_ratio: float | None
@@ -72,8 +72,9 @@ class Finding(NamedTuple):
     advice: str
 
     def line(self) -> str:
-        return f"{self.kind}-bound: {self.evidence}; {self.advice}" if self.kind != "none" \
-            else f"no limit reached: {self.evidence}; {self.advice}"
+        label = {"none": "no limit reached", "cpu-contention": "cpu-contention"}.get(
+            self.kind, f"{self.kind}-bound")
+        return f"{label}: {self.evidence}; {self.advice}"
 
 
 def _gap_tables(records: Sequence[RequestTimeline]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -112,8 +113,7 @@ def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample],
     ratio = tail = None
     if overlap.any() and (~overlap).any():
         ratio = float(np.median(gaps[overlap]) / np.median(gaps[~overlap]))
-        slow = gaps >= np.quantile(gaps, 0.9)
-        tail = float(overlap[slow].mean())
+        tail = float(gaps[overlap].sum() / gaps.sum())
     lo = hi = bratio = None
     quiet, qbatch = gaps[~overlap], batch[~overlap]
     sizes, counts = np.unique(qbatch, return_counts=True)
@@ -152,8 +152,8 @@ def diagnose(s: Signals, local: bool, request_rate: float | None = None) -> list
             "cpu-contention",
             f"the engine got {_pct(s.cpu_share)} of the CPU time its threads could use: "
             "other processes take the cores",
-            "stop them, or give the engine fewer threads (--threads) so its threads do not "
-            "wait on each other"))
+            "stop them, or compare figures only within one run (with more --threads than "
+            "free cores, its threads also wait on each other)"))
     elif (s.waiting_with_kv_room_share or 0) >= 0.2 or (
             s.samples == 0 and (s.ttft_mean_over_min or 0) >= 3):
         rate = f" (it completes {request_rate:.2f} requests/s)" if request_rate else ""
@@ -166,12 +166,12 @@ def diagnose(s: Signals, local: bool, request_rate: float | None = None) -> list
             f"send fewer at once (--concurrency / --request-rate){rate}, or "
             + ("let more run at once (--max-num-seqs)" if local else
                "raise the server's batch limit (vLLM --max-num-seqs, llama-server --parallel)")))
-    if (s.prefill_itl_ratio or 0) >= 2 and (s.prefill_tail_share or 0) >= 0.5:
+    if (s.prefill_itl_ratio or 0) >= 2 and (s.prefill_time_share or 0) >= 0.2:
         out.append(Finding(
             "prefill-interference",
             f"gaps between tokens are {s.prefill_itl_ratio:.1f}x longer while another "
-            f"request's prompt is processed, and {_pct(s.prefill_tail_share or 0)} of the "
-            "slowest 10% of gaps are such",
+            f"request's prompt is processed: {_pct(s.prefill_time_share or 0)} of all time "
+            "between tokens",
             "take prompts in smaller chunks between decode steps (--max-num-batched-tokens)"
             if local else "lower the server's prefill chunk (vLLM --max-num-batched-tokens "
             "with chunked prefill)"))

@@ -169,9 +169,9 @@ def test_plot_has_the_panels(tmp_path: Path) -> None:
     assert (width, height) == (1600, 850)
 
 
-def test_json_of_a_run_is_plain(tmp_path: Path) -> None:
-    from localllm.apps.bench_serve_report import machine
+def test_machine_description() -> None:
+    from localllm.bench.machine import describe
 
-    m = machine("cpu backend on cpu")
+    m = describe("cpu backend on cpu")
     assert m["cores"] and m["cpu"] and m["backend"] == "cpu backend on cpu"
     json.dumps(m)

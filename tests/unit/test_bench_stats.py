@@ -114,14 +114,14 @@ PREFILL = [_rec(0, 0.0, (1.0, 2.0, 3.0, 4.0, 5.0, 8.0, 9.0, 10.0)),
 
 def test_prefill_interference_bound() -> None:
     sig = signals(PREFILL, [])
-    # overlapping gaps: [3]; the other 8 gaps are 1 -> ratio 3. The slowest 10% (>= the 0.9
-    # quantile 1 + .2 * 2 = 1.4) is the one gap of 3, which overlaps B's prefill.
-    assert (sig.prefill_itl_ratio, sig.prefill_tail_share) == (3.0, 1.0)
+    # overlapping gaps: [3]; the other 8 gaps are 1 -> ratio 3, and 3 of the 11 seconds
+    # between tokens (A: 1 1 1 1 3 1 1, B: 1 1) are spent in it
+    assert (sig.prefill_itl_ratio, sig.prefill_time_share) == (3.0, 3 / 11)
     # quiet gaps at batch 1 (A alone: 4 gaps) and 2 (A and B: 4 gaps), all 1 -> mean ratio 1
     assert (sig.batch_lo, sig.batch_hi, sig.batch_itl_ratio) == (1, 2, 1.0)
     assert sig.ttft_mean_over_min == 2.0  # TTFT 1 and 3: no queueing estimate
     [p] = diagnose(sig, local=True)
-    assert p.kind == "prefill-interference" and "3.0x" in p.evidence
+    assert p.kind == "prefill-interference" and "3.0x" in p.evidence and "27%" in p.evidence
     assert "--max-num-batched-tokens" in p.advice
 
 
@@ -131,7 +131,8 @@ def test_compute_bound() -> None:
     recs = [_rec(0, 0.0, (1.0, 2.0, 3.0, 5.0, 7.0, 9.0)), _rec(1, 3.0, (4.5, 6.5, 8.5))]
     sig = signals(recs, _samples([(0.2, 0, 0)] * 4))
     assert (sig.batch_lo, sig.batch_hi, sig.batch_itl_ratio) == (1, 2, 2.0)
-    assert sig.prefill_itl_ratio == 1.0  # overlapping [2] vs others 1 1 2 2 2 2 (median 2)
+    # overlapping [2] vs others 1 1 2 2 2 2 (median 2); 2 of the 12 seconds between tokens
+    assert (sig.prefill_itl_ratio, sig.prefill_time_share) == (1.0, 2 / 12)
     [c] = diagnose(sig, local=True)
     assert c.kind == "compute" and "2.0x from 1 to 2" in c.evidence
 
@@ -152,4 +153,5 @@ def test_cpu_contention() -> None:
     assert share == approx(0.4)
     [c] = diagnose(signals([_rec(0, 0.0, (1.0, 2.0))], samples, share), local=True)
     assert c.kind == "cpu-contention" and "40%" in c.evidence
+    assert c.line().startswith("cpu-contention: the engine got 40%")
     assert cpu_share(1.2, 2.0, 2, []) is None
