@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import socket
 import subprocess
@@ -38,6 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from localllm.bench.machine import describe  # noqa: E402
 from localllm.engine.metrics import percentile  # noqa: E402
 from localllm.model_path import find_model  # noqa: E402
 
@@ -166,19 +165,29 @@ def run_localllm(args: argparse.Namespace, model: Path, levels: list[int]) -> di
         stop(proc)
 
 
-def run_llama(args: argparse.Namespace, model: Path, levels: list[int]) -> dict[str, Any]:
+def start_llama(model: Path, threads: int, ctx: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m llama_cpp.server` on a free loopback port, ready: (process, base URL)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, "--model", str(model),
                              "--host", "127.0.0.1", "--port", str(port), "--n_threads",
-                             str(args.threads), "--n_threads_batch", str(args.threads),
-                             "--n_ctx", str(args.ctx), "--interrupt_requests", "False",
+                             str(threads), "--n_threads_batch", str(threads),
+                             "--n_ctx", str(ctx), "--interrupt_requests", "False",
                              "--verbose", "False"], stderr=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, lambda: httpx.get(f"{base}/v1/models").status_code == 200)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, base
+
+
+def run_llama(args: argparse.Namespace, model: Path, levels: list[int]) -> dict[str, Any]:
     body = {"max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "logit_bias": {str(t): -100.0 for t in args.end_ids}}
+    proc, base = start_llama(model, args.threads, args.ctx)
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, lambda: httpx.get(f"{base}/v1/models").status_code == 200)
         print("llama_cpp.server over tcp", file=sys.stderr)
         return {"tcp": asyncio.run(measure({"base_url": base}, body, {}, levels, args.rounds))}
     finally:
@@ -186,17 +195,10 @@ def run_llama(args: argparse.Namespace, model: Path, levels: list[int]) -> dict[
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import llama_cpp
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    m = describe("")
+    return {"cpu": m["cpu"], "cores": m["cores"], "python": m["python"],
             "llama_cpp_python": llama_cpp.__version__}
 
 

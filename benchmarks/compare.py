@@ -40,14 +40,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cpu import bench_llama_cpp, bench_localllm, bench_transformers  # noqa: E402
-from bench_serve import LLAMA_SERVER, free_port, stop, wait_ready  # noqa: E402
+from bench_serve import start_llama, stop, wait_ready  # noqa: E402
 from llama_ref import in_child  # noqa: E402
 
-from localllm.apps.bench_serve_report import machine  # noqa: E402
+from localllm.bench.machine import describe  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 ENV = {**os.environ, "LOCALLLM_PREFIX_CACHE": "0"}
 CLI = [sys.executable, "-m", "localllm.apps.cli"]
+
+
+def localllm_latency(threads: int, *args: Any) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    return bench_localllm(*args)
 
 
 def write_dataset(path: Path, model: Path, args: argparse.Namespace) -> None:
@@ -99,16 +106,8 @@ def serve_localllm_socket(model: Path, dataset: Path, args: argparse.Namespace
 
 
 def serve_llama(model: Path, dataset: Path, args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, "--model", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--n_threads",
-                             str(args.threads), "--n_threads_batch", str(args.threads),
-                             "--n_ctx", str(args.ctx), "--interrupt_requests", "False",
-                             "--verbose", "False"], stderr=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL)
+    proc, base = start_llama(model, args.threads, args.ctx)
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, lambda: httpx.get(f"{base}/v1/models").status_code == 200)
         return bench_serve(["--endpoint", base, "--extra-body",
                             json.dumps({"min_tokens": args.output_len})], dataset, args)
     finally:
@@ -122,7 +121,7 @@ def _fmt(v: float | None, digits: int) -> str:
 def table(latency: dict[str, dict[str, float]], serve: dict[str, dict[str, Any]],
           args: argparse.Namespace) -> str:
     rows = ["| workload | system | tokens/s | TTFT p50 (ms) | ITL p50 (ms) | E2E p50 (ms) | "
-            "localllm vs this |", "|---|---|---:|---:|---:|---:|---:|"]
+            "localllm ÷ this (tokens/s) |", "|---|---|---:|---:|---:|---:|---:|"]
     for key, name in (("prefill_tok_s", f"latency pp{args.prompt_tokens}"),
                       ("decode_tok_s", f"latency tg{args.decode_tokens}")):
         ours = latency["localllm"][key]
@@ -161,8 +160,8 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"latency: localllm, llama.cpp{'' if args.no_transformers else ', transformers'}",
           file=sys.stderr)
-    latency = {"localllm": in_child(bench_localllm, model, "bfloat16", args.prompt_tokens,
-                                    args.decode_tokens, args.repeat)}
+    latency = {"localllm": in_child(localllm_latency, args.threads, model, "bfloat16",
+                                    args.prompt_tokens, args.decode_tokens, args.repeat)}
     ids = latency["localllm"].pop("ids")
     latency["llama.cpp"] = in_child(bench_llama_cpp, model, args.threads, args.prompt_tokens,
                                     args.decode_tokens, args.repeat, ids)
@@ -183,8 +182,7 @@ def main() -> None:
     serve["llama_cpp.server"] = serve_llama(model, dataset, args)
     text = table(latency, serve, args)
     print(text)
-    desc = machine("cpu")
-    desc.pop("backend")
+    desc = describe(f"cpu, {args.threads} threads")
     out = args.json or ROOT / "benchmarks" / "results" / f"compare_{desc['cores']}core.json"
     import llama_cpp
 
@@ -193,7 +191,8 @@ def main() -> None:
         "model": model.name, "settings": vars(args) | {"json": str(out), "model": str(model)},
         "latency": latency,
         "serve": {k: {"summary": v["summary"], "engine": v["engine"],
-                      "diagnosis": v["diagnosis"], "machine": v["machine"]}
+                      "signals": v["signals"], "diagnosis": v["diagnosis"],
+                      "backend": v["machine"]["backend"]}
                   for k, v in serve.items()},
         "table": text}, indent=1) + "\n")
     print(f"[results: {out}]", file=sys.stderr)
