@@ -216,9 +216,3 @@ def cmd_bench_serve(args: argparse.Namespace, load_llm: LoadFn) -> int:
                                 ) from None
     return asyncio.run(_bench(args, load_llm))
 
-
-def run(args: argparse.Namespace) -> int:
-    """The `bench` group's entry (apps/bench.py): `cmd_bench_serve` with the CLI's loader."""
-    from localllm.apps.cli import load_llm
-
-    return cmd_bench_serve(args, load_llm)
