@@ -182,13 +182,13 @@ def main() -> None:
     serve["llama_cpp.server"] = serve_llama(model, dataset, args)
     text = table(latency, serve, args)
     print(text)
-    desc = describe(f"cpu, {args.threads} threads")
+    desc = describe("cpu") | {"threads": args.threads}
     out = args.json or ROOT / "benchmarks" / "results" / f"compare_{desc['cores']}core.json"
     import llama_cpp
 
     out.write_text(json.dumps({
         "started": started, "machine": desc, "llama_cpp_python": llama_cpp.__version__,
-        "model": model.name, "settings": vars(args) | {"json": str(out), "model": str(model)},
+        "model": model.name, "settings": vars(args) | {"json": str(out.name), "model": model.name},
         "latency": latency,
         "serve": {k: {"summary": v["summary"], "engine": v["engine"],
                       "signals": v["signals"], "diagnosis": v["diagnosis"],
