@@ -15,6 +15,7 @@ ModelArgs = Callable[[argparse.ArgumentParser], None]
 
 SUBCOMMANDS = {
     "latency": "localllm.apps.bench_latency",
+    "serve": "localllm.apps.bench_serve",
 }
 
 

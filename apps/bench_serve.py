@@ -195,7 +195,7 @@ async def _bench(args: argparse.Namespace, load_llm: LoadFn) -> int:
     load = f"{len(specs)} requests, {rate}, concurrency {concurrency or 'unlimited'}"
     print(report.text(client.card, run, summary, engine, slo, findings, load))
     if args.json:
-        report.write_json(args.json, args, client.card, run, summary, engine, sig, findings)
+        report.write_json(args.json, args, client, run, summary, engine, sig, findings)
         print(f"[raw timelines: {args.json}]", file=sys.stderr)
     if args.plot:
         from localllm.apps import bench_serve_plot as plot
@@ -216,3 +216,9 @@ def cmd_bench_serve(args: argparse.Namespace, load_llm: LoadFn) -> int:
                                 ) from None
     return asyncio.run(_bench(args, load_llm))
 
+
+def run(args: argparse.Namespace) -> int:
+    """The `bench` group's entry (apps/bench.py): `cmd_bench_serve` with the CLI's loader."""
+    from localllm.apps.cli import load_llm
+
+    return cmd_bench_serve(args, load_llm)

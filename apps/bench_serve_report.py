@@ -9,9 +9,23 @@ from typing import Any
 
 from localllm.apps.bench_serve_runner import RunResult
 from localllm.bench.diagnosis import Finding, Signals
-from localllm.bench.machine import describe as machine
 from localllm.bench.summary import EngineSummary, ServeSummary, Slo, Stat
+from localllm.client import Client
 from localllm.model_card import ModelCard
+
+
+def machine(client: Client) -> dict[str, Any]:
+    """The machine of this run (`localllm.machine.describe`) and where the model ran."""
+    import torch
+
+    from localllm.client.local import LocalClient
+    from localllm.machine import describe
+
+    if isinstance(client, LocalClient):
+        m = describe(client.llm.backend.name, client.llm.backend.device)
+    else:  # the model runs in the server; this machine only sends requests
+        m = describe("none here", torch.device("cpu"))
+    return m | {"runs_on": client.card.runs_on}
 
 
 def _ms(s: Stat | None) -> str:
@@ -64,14 +78,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def write_json(path: Path, args: argparse.Namespace, card: ModelCard, run: RunResult,
+def write_json(path: Path, args: argparse.Namespace, client: Client, run: RunResult,
                s: ServeSummary, e: EngineSummary | None, sig: Signals,
                findings: list[Finding]) -> None:
     summary = {k: v._asdict() if isinstance(v, Stat) else v for k, v in s._asdict().items()}
     doc = {
-        "settings": _settings(args), "machine": machine(card.runs_on),
-        "model": {"name": card.name, "quantization": card.quantization,
-                  "context": card.context, "runs_on": card.runs_on},
+        "settings": _settings(args), "machine": machine(client),
+        "model": {"name": client.card.name, "quantization": client.card.quantization,
+                  "context": client.card.context, "runs_on": client.card.runs_on},
         "interrupted": run.interrupted, "summary": summary,
         "engine": e._asdict() if e else None, "signals": sig._asdict(),
         "diagnosis": [f._asdict() for f in findings],

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
 import signal
 import socket
 import subprocess
@@ -36,8 +38,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from localllm.bench.machine import describe  # noqa: E402
 from localllm.engine.metrics import percentile  # noqa: E402
+from localllm.machine import cpu_model  # noqa: E402
 from localllm.model_path import find_model  # noqa: E402
 
 TOPICS = ["the ocean", "a mountain village", "the history of clocks", "a robot who paints",
@@ -197,8 +199,7 @@ def run_llama(args: argparse.Namespace, model: Path, levels: list[int]) -> dict[
 def machine() -> dict[str, Any]:
     import llama_cpp
 
-    m = describe("")
-    return {"cpu": m["cpu"], "cores": m["cores"], "python": m["python"],
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "llama_cpp_python": llama_cpp.__version__}
 
 

@@ -43,7 +43,7 @@ from bench_cpu import bench_llama_cpp, bench_localllm, bench_transformers  # noq
 from bench_serve import start_llama, stop, wait_ready  # noqa: E402
 from llama_ref import in_child  # noqa: E402
 
-from localllm.bench.machine import describe  # noqa: E402
+from localllm.machine import describe  # noqa: E402
 from localllm.model_path import resolve_model  # noqa: E402
 
 ENV = {**os.environ, "LOCALLLM_PREFIX_CACHE": "0"}
@@ -182,7 +182,9 @@ def main() -> None:
     serve["llama_cpp.server"] = serve_llama(model, dataset, args)
     text = table(latency, serve, args)
     print(text)
-    desc = describe("cpu") | {"threads": args.threads}
+    import torch
+
+    desc = describe("cpu", torch.device("cpu")) | {"threads": args.threads}
     out = args.json or ROOT / "benchmarks" / "results" / f"compare_{desc['cores']}core.json"
     import llama_cpp
 

@@ -19,8 +19,9 @@ WORKLOAD = ["--num-requests", "6", "--input-len", "24", "--output-len", "8", "--
 def test_bench_serve_against_a_live_server(stories_server: ServeProcess, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
+    # 64 tokens each: a run long enough for several 50 ms samples of /metrics
     rc = main(["bench", "serve", "--endpoint", f"unix:{stories_server.socket}", *WORKLOAD,
-               "--slo-ttft", "10000", "--slo-e2e", "0.001", "--json", str(out_json),
+               "--output-len", "64", "--slo-ttft", "10000", "--slo-e2e", "0.001", "--json", str(out_json),
                "--plot", str(out_png)])
     text = capsys.readouterr().out
     assert rc == 0
@@ -34,12 +35,12 @@ def test_bench_serve_against_a_live_server(stories_server: ServeProcess, tmp_pat
     assert doc["settings"]["endpoint"] == f"unix:{stories_server.socket}"
     assert doc["settings"]["num_requests"] == 6 and doc["settings"]["concurrency"] == 3
     assert doc["machine"]["cores"] and doc["machine"]["cpu"]
-    assert doc["machine"]["backend"] == f"served at unix:{stories_server.socket}"
+    assert doc["machine"]["runs_on"] == f"served at unix:{stories_server.socket}"
     assert doc["summary"]["completed"] == 6 and doc["summary"]["good"] == 0
     assert set(doc["summary"]["ttft"]) == {"mean", "p50", "p90", "p99"}
     assert len(doc["requests"]) == 6
     for r in doc["requests"]:
-        assert r["output_tokens"] == 8 and r["finish_reason"] == "length"  # ignore_eos
+        assert r["output_tokens"] == 64 and r["finish_reason"] == "length"  # ignore_eos
         assert r["prompt_tokens"] > 0 and r["cached_tokens"] is not None
         assert r["sent_s"] <= r["chunk_times_s"][0] <= r["chunk_times_s"][-1] <= r["finished_s"]
         assert r["ttft_s"] == pytest.approx(r["chunk_times_s"][0] - r["sent_s"])
@@ -68,6 +69,7 @@ def test_bench_serve_in_process_with_a_shared_prefix(stories_path: Path, tmp_pat
     assert doc["summary"]["prefix_hit_rate"] > 0.2
     assert f"prefix cache: {100 * doc['summary']['prefix_hit_rate']:.0f}%" in text
     assert doc["samples"] and "cpu_share" in doc["signals"]  # None in a run under 50 ms
+    assert doc["machine"]["backend"] == "cpu" and doc["machine"]["device"] == "cpu"
 
 
 def test_ctrl_c_reports_what_was_measured(stories_path: Path) -> None:

@@ -169,9 +169,10 @@ def test_plot_has_the_panels(tmp_path: Path) -> None:
     assert (width, height) == (1600, 850)
 
 
-def test_machine_description() -> None:
-    from localllm.bench.machine import describe
+def test_machine_of_a_remote_run() -> None:
+    from localllm.apps.bench_serve_report import machine
 
-    m = describe("cpu backend on cpu")
-    assert m["cores"] and m["cpu"] and m["backend"] == "cpu backend on cpu"
+    m = machine(Scripted())
+    assert m["cores"] and m["cpu"] and m["runs_on"] == "here"
+    assert m["backend"] == "none here"  # the model runs in the server
     json.dumps(m)
