@@ -21,8 +21,8 @@ def test_bench_serve_against_a_live_server(stories_server: ServeProcess, tmp_pat
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
     # 64 tokens each: a run long enough for several 50 ms samples of /metrics
     rc = main(["bench", "serve", "--endpoint", f"unix:{stories_server.socket}", *WORKLOAD,
-               "--output-len", "64", "--slo-ttft", "10000", "--slo-e2e", "0.001", "--json", str(out_json),
-               "--plot", str(out_png)])
+               "--output-len", "64", "--slo-ttft", "10000", "--slo-e2e", "0.001",
+               "--json", str(out_json), "--plot", str(out_png)])
     text = capsys.readouterr().out
     assert rc == 0
     assert "6 completed, 0 failed" in text and "stories260K" in text
