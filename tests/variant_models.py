@@ -63,18 +63,21 @@ GGUF_ARCH = {"Llama": "llama", "Qwen2": "qwen2", "Mistral": "mistral", "Gemma2":
              "Gemma3": "gemma3", "Phi3": "phi3"}
 
 
-def tokenizer(folder: Path) -> None:
+def tokenizer(folder: Path, vocab: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer.json with exactly `vocab` tokens, `<|endoftext|>` last (as
+    many tokens as the embedding has rows: localllm's detokenizer cannot show ids past the
+    tokenizer's vocabulary, while real checkpoints often pad the embedding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the cat sat on the mat, hi there"] * 50, trainer)
-    tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - 1 - tok.get_vocab_size())])
+    tok.add_tokens([f"<extra_{i}>" for i in range(vocab - 1 - tok.get_vocab_size())])
     tok.add_special_tokens(["<|endoftext|>"])
-    assert tok.get_vocab_size() == VOCAB
+    assert tok.get_vocab_size() == vocab and tok.token_to_id("<|endoftext|>") == vocab - 1
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 

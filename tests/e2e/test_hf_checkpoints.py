@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from variant_models import tokenizer
 
 from localllm import LLM, SamplingParams
 from localllm.apps.cli import main
@@ -47,24 +48,6 @@ CASES = {  # name: (architecture, extra config, saved dtype, tied, max_shard_siz
 }
 
 
-def _tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cat sat on the mat, hi there"] * 50, trainer)
-    # NOTE: as many tokens as the embedding has rows: localllm's detokenizer cannot yet show
-    # ids past the tokenizer's vocabulary (real checkpoints often pad the embedding)
-    tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - 1 - tok.get_vocab_size())])
-    tok.add_special_tokens(["<|endoftext|>"])
-    assert tok.get_vocab_size() == VOCAB and tok.token_to_id("<|endoftext|>") == VOCAB - 1
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
 def _build(folder: Path, case: str) -> None:
     arch, extra, dtype, tied, shard = CASES[case]
     cfg = getattr(transformers, f"{arch}Config")(**BASE, **extra, tie_word_embeddings=tied)
@@ -74,7 +57,7 @@ def _build(folder: Path, case: str) -> None:
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.15)
     model.to(dtype).save_pretrained(folder, max_shard_size=shard or "1GB")
-    _tokenizer(folder)
+    tokenizer(folder, VOCAB)
 
 
 @pytest.fixture(scope="module")
