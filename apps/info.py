@@ -76,6 +76,7 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
     from localllm.hf.loader import read_config
     from localllm.model_stats import (
         MODULES,
+        attended_positions,
         decode_bound,
         decode_flops,
         kv_fit,
@@ -103,7 +104,9 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
     loaded = {b: {**wb.loaded[b], "total": wb.loaded_total(b)} for b in BACKEND_NAMES}
     fit = kv_fit(cfg, dtype, memory, wb.loaded_total(backend), sessions_at)
     embed_read = 0 if cfg.tie_word_embeddings else wb.loaded[backend].get("embeddings", 0)
-    step_bytes = wb.loaded_total(backend) - embed_read + fit.bytes_per_token * context
+    # K/V read back per step: a sliding-window layer reads at most its window
+    kv_read = fit.bytes_per_token * attended_positions(cfg, context) // cfg.num_layers
+    step_bytes = wb.loaded_total(backend) - embed_read + kv_read
     out: dict[str, Any] = {
         "model": {"path": str(path), "format": fmt, "name": cfg.name},
         "config": dataclasses.asdict(cfg),

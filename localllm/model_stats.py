@@ -69,23 +69,38 @@ class Flops(NamedTuple):
     total: float  # per token
 
 
+def attended_positions(cfg: ModelConfig, context: int) -> int:
+    """Positions a new token at `context` (itself included) reads, summed over the layers: a
+    sliding-window layer reads at most its window."""
+    return sum(min(context, cfg.layer_window(i) or context) for i in range(cfg.num_layers))
+
+
+def _mean_attended(window: int, prompt: int) -> float:
+    """Mean over positions i < prompt of min(i + 1, window) (window 0: i + 1)."""
+    if not window or prompt <= window:
+        return (prompt + 1) / 2
+    return (window * (window + 1) / 2 + (prompt - window) * window) / prompt
+
+
 def decode_flops(cfg: ModelConfig, context: int) -> Flops:
     """One decode step of a sequence whose new token attends to `context` positions (itself
-    included)."""
+    included; a sliding-window layer to at most its window)."""
     p = param_counts(cfg)
     linear = 2.0 * (p.attention + p.mlp)
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
-    attn = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    attn = 4.0 * cfg.num_heads * cfg.head_dim * attended_positions(cfg, context)
     return Flops(linear, head, attn, linear + head + attn)
 
 
 def prefill_flops(cfg: ModelConfig, prompt: int) -> Flops:
     """Per token of a `prompt`-token prefill from an empty cache: position i attends to i + 1
-    positions, (prompt + 1) / 2 on average; logits of the last position only."""
+    positions, (prompt + 1) / 2 on average (a sliding-window layer: min(i + 1, window));
+    logits of the last position only."""
     p = param_counts(cfg)
     linear = 2.0 * (p.attention + p.mlp)
     head = 2.0 * cfg.vocab_size * cfg.hidden_size / prompt
-    attn = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (prompt + 1) / 2
+    attended = sum(_mean_attended(cfg.layer_window(i), prompt) for i in range(cfg.num_layers))
+    attn = 4.0 * cfg.num_heads * cfg.head_dim * attended
     return Flops(linear, head, attn, linear + head + attn)
 
 

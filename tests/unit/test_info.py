@@ -197,3 +197,28 @@ def test_hf_folder_by_hand(tmp_path: Path) -> None:
     for backend in ("cpu", "torch", "triton"):
         assert info["weights"]["loaded"][backend]["total"] == 12512 * 4
     assert info["kv"]["bytes_per_token"] == 2 * 1 * 2 * 8 * 4 == 128
+
+
+def test_sliding_windows_cap_attention_flops_and_kv_reads() -> None:
+    from localllm.config import ModelConfig
+    from localllm.model_stats import attended_positions, decode_flops, prefill_flops
+
+    # 4 layers, every other one a sliding layer with a window of 100 (Gemma 2's pattern);
+    # 8 heads of 16: attention costs 4 * 8 * 16 = 512 FLOPs per position read, per layer
+    cfg = ModelConfig(arch="gemma2", vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, rope_dim=16,
+                      context_length=8192, rope_neox=True, tie_word_embeddings=True,
+                      sliding_window=100, sliding_layers=(True, False, True, False))
+    # decode at context 1000: two global layers read 1000 positions, two sliding ones 100
+    assert attended_positions(cfg, 1000) == 2 * 1000 + 2 * 100
+    assert decode_flops(cfg, 1000).attention == 512 * 2200
+    # shorter than the window: every layer reads the whole context
+    assert attended_positions(cfg, 60) == 4 * 60
+    # prefill of 400: a global layer's position i reads i + 1, mean (400 + 1) / 2 = 200.5;
+    # a sliding layer's reads min(i + 1, 100): (1 + ... + 100 + 300 * 100) / 400
+    #   = (5050 + 30000) / 400 = 87.625
+    assert prefill_flops(cfg, 400).attention == pytest.approx(512 * (2 * 200.5 + 2 * 87.625))
+    # Mistral-style (every layer slides): decode reads only the window in every layer
+    mistral = ModelConfig(**{**cfg.__dict__, "arch": "mistral", "sliding_layers": ()})
+    assert attended_positions(mistral, 1000) == 4 * 100
