@@ -6,11 +6,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import cast
 
-from localllm.client import Client, Delta
+from localllm.client import Client
 from localllm.config import SamplingParams
 
 
@@ -56,7 +54,7 @@ class Reply:
     async def stream(self, client: Client, prompt: list[dict[str, str]],
                      params: SamplingParams) -> None:
         # a Client's streams are async generators (typed as iterators): aclose() aborts
-        stream = cast(AsyncGenerator[Delta, None], client.stream_chat(prompt, params))
+        stream = client.stream_chat(prompt, params)
         async with contextlib.aclosing(stream) as deltas:
             async for d in deltas:
                 if d.text:

@@ -16,7 +16,7 @@ event loop: connect, use and `aclose()` it there (e.g. one `asyncio.Runner` for 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NamedTuple
 
 from localllm.config import SamplingParams
@@ -58,12 +58,12 @@ class Client(ABC):
 
     @abstractmethod
     def stream_chat(self, messages: Sequence[Message],
-                    params: SamplingParams) -> AsyncIterator[Delta]:
+                    params: SamplingParams) -> AsyncGenerator[Delta, None]:
         """The reply to `messages` through the model's chat template. ContextOverflow when the
         conversation does not fit; ClientError when the request fails."""
 
     @abstractmethod
-    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncIterator[Delta]:
+    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncGenerator[Delta, None]:
         """A raw completion of `prompt` (no chat template)."""
 
     @abstractmethod

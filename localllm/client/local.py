@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from localllm.client.base import Client, ClientError, ContextOverflow, Delta, Message, Usage
 from localllm.config import SamplingParams
@@ -35,10 +35,10 @@ class LocalClient(Client):
                                llm.engine.max_model_len, runs_on, quantize)
 
     def stream_chat(self, messages: Sequence[Message],
-                    params: SamplingParams) -> AsyncIterator[Delta]:
+                    params: SamplingParams) -> AsyncGenerator[Delta, None]:
         return self._stream(self.llm.encode_chat(messages), params)
 
-    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncIterator[Delta]:
+    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncGenerator[Delta, None]:
         return self._stream(self.llm.encode(prompt), params)
 
     async def count_tokens(self, text: str) -> int:
@@ -47,7 +47,7 @@ class LocalClient(Client):
     async def chat_tokens(self, messages: Sequence[Message]) -> int | None:
         return len(self.llm.encode_chat(messages))
 
-    async def _stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    async def _stream(self, ids: list[int], params: SamplingParams) -> AsyncGenerator[Delta, None]:
         limit = self.llm.engine.max_model_len
         if len(ids) >= limit:
             raise ContextOverflow(f"the prompt has {len(ids)} tokens; the context holds "

@@ -8,7 +8,7 @@ or without the trailing `/v1`. llama.cpp's and vLLM's sampling fields (`top_k`, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import httpx2
@@ -122,14 +122,14 @@ class RemoteClient(Client):
                               f"served at {self.endpoint}")
 
     def stream_chat(self, messages: Sequence[Message],
-                    params: SamplingParams) -> AsyncIterator[Delta]:
+                    params: SamplingParams) -> AsyncGenerator[Delta, None]:
         return self._stream(True, list(messages), params)
 
-    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncIterator[Delta]:
+    def stream_text(self, prompt: str, params: SamplingParams) -> AsyncGenerator[Delta, None]:
         return self._stream(False, prompt, params)
 
     async def _stream(self, chat: bool, prompt: Any, params: SamplingParams
-                      ) -> AsyncIterator[Delta]:
+                      ) -> AsyncGenerator[Delta, None]:
         common: dict[str, Any] = dict(
             model=self.model, stream=True, stream_options={"include_usage": True},
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
