@@ -53,20 +53,8 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *xg = x + m * ldx + (g * gs) % K;
-            float acc = 0.0f;
-            for (int i = 0; i < gs; i++) {
-                uint32_t bits = (uint32_t)xg[i] << 16;
-                float f;
-                __builtin_memcpy(&f, &bits, 4);
-                acc += f;
-            }
-            xsum[m * groups + g] = acc;
-        }
     if (amx && gs == GROUP && !lut)
         int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
     else

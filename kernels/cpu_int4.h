@@ -13,7 +13,7 @@
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
  * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row; or, for a
  * symmetric weight with fp16 scales (Q4_0, Q5_0, Q8_0, IQ4_NL), `half_scales` and sz is those
- * fp16 scales alone, [K / gs][n_pad], with the zeros implied (see `Scales`).
+ * fp16 scales alone, [K / gs][n_pad], with the zeros implied (see `Scales` in cpu_int4_groups.h).
  * With two planes (grouped int8 split as q = 16 h + l), plane p reads x[k - p K].
  */
 #ifndef LOCALLLM_CPU_INT4_H
@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_int4_groups.h"
 #include "cpu_simd.h"
 
 #define TILE 64
@@ -62,23 +63,6 @@ static inline __attribute__((always_inline)) void unpack_pairs(__m512i b, __m512
 static inline __m512 codebook_f32(const uint16_t *lut) {
     return lut ? _mm512_add_ps(load_bf16(lut, 0xFFFF), load_bf16(lut + 16, 0xFFFF))
                : _mm512_setzero_ps();
-}
-
-/* A weight's per-group scales and zeros, in one of two forms:
- *   pairs: bf16 [K2 / gs][n_pad][2], (scale, zero) per group and row;
- *   half:  fp16 [K / gs][n_pad], the scale s alone of a symmetric weight, exact as stored in the
- *          file; one plane: (c - 8) s; two planes (q = 16 h + l, the same s for both):
- *          plane H (c - 8) 16 s, plane L (c - 8) s + 8 s. */
-typedef struct {
-    const uint16_t *p;
-    int64_t n_pad, plane_groups; /* plane_groups = K / gs */
-    int half, planes;
-} Scales;
-
-static inline Scales scales_of(const uint16_t *sz, int64_t n_pad, int64_t K, int64_t gs,
-                               int64_t planes, int64_t half) {
-    const Scales s = {sz, n_pad, K / gs, half != 0, (int)planes};
-    return s;
 }
 
 /* where group g's values for row `row` begin (prefetching) */

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
 #include "cpu_simd_avx2.h"
 
@@ -22,14 +23,9 @@
 #define PREFETCH_BYTES 4096 /* weight bytes read ahead of use */
 #endif
 
-typedef struct {
-    const uint16_t *p;
-    int64_t n_pad, plane_groups; /* plane_groups = K / gs */
-    int half, planes;
-} Scales;
 
 /* scale of rows row..row+7 of group g (g < K2 / gs) in fp32; *zz = zero - bias * scale
- * (the forms of cpu_int4.h's `Scales`) */
+ * (the forms of cpu_int4_groups.h's `Scales`) */
 static inline __m256 group_scale8(const Scales *s, int64_t g, int64_t row, float bias,
                                   __m256 *zz) {
     __m256 sc, zr;
@@ -147,22 +143,10 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
     if (gs != 32 && gs != 16) return -2;
-    const Scales sz = {sz_p, n_pad, K / gs, half_scales != 0, (int)planes};
+    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, half_scales);
     const int64_t K2 = planes * K, groups = K2 / gs;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *xg = x + m * ldx + (g * gs) % K;
-            float acc = 0.0f;
-            for (int i = 0; i < gs; i++) {
-                uint32_t bits = (uint32_t)xg[i] << 16;
-                float f;
-                __builtin_memcpy(&f, &bits, 4);
-                acc += f;
-            }
-            xsum[m * groups + g] = acc;
-        }
     __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
     if (lut) { /* the fp32 codebook hi + lo */
         lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
@@ -213,7 +197,7 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
                     int64_t half_scales) {
-    const Scales sz = {sz_p, n_pad, K / gs, half_scales != 0, (int)planes};
+    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, half_scales);
     __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
     if (lut) {
         lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
