@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace, load_llm: Any) -> int:
     import torch
 
     from localllm.engine.async_engine import AsyncLLMEngine
+    from localllm.model_card import gguf_scalars
     from localllm.server.runner import serve
     from localllm.server.state import ServeOptions, ServerState
     from localllm.server.transport import (
@@ -101,7 +102,7 @@ def cmd_serve(args: argparse.Namespace, load_llm: Any) -> int:
         llm = load_llm(args, threads=1)
         template = (ChatTemplate(template_src, llm.tokenizer.bos_token, llm.tokenizer.eos_token)
                     if template_src is not None else llm.template)
-        meta = _metadata(llm.path)
+        meta = gguf_scalars(llm.path)
         engine = AsyncLLMEngine(llm.engine, num_threads=threads)
         state = ServerState(llm, engine, args.model_name or _model_name(llm.path),
                             ServeOptions(api_key=key, log_prompts=args.log_prompts,
@@ -136,13 +137,3 @@ class _Terminated(Exception):
 
 def _terminate(signum: int, frame: Any) -> None:
     raise _Terminated
-
-
-def _metadata(path: Path) -> dict[str, Any]:
-    """The GGUF's scalar keys (FIM token ids, file type), or nothing for a checkpoint folder."""
-    if not path.is_file():
-        return {}
-    from localllm.gguf.reader import GGUFFile
-
-    meta = GGUFFile(path).metadata
-    return {k: v for k, v in meta.items() if isinstance(v, (int, float, str))}

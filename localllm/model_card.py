@@ -43,6 +43,17 @@ def quantization(metadata: dict[str, Any]) -> str:
     return "unknown"
 
 
+def gguf_scalars(path: Path) -> dict[str, Any]:
+    """The GGUF's scalar metadata keys (file type, FIM token ids...), or nothing for a
+    checkpoint folder."""
+    if not path.is_file():
+        return {}
+    from localllm.gguf.reader import GGUFFile
+
+    meta = GGUFFile(path).metadata
+    return {k: v for k, v in meta.items() if isinstance(v, (int, float, str))}
+
+
 def display_name(path: Path) -> str:
     """The name a user downloaded: the file or folder name without `.gguf` and quant suffix."""
     stem = path.name.removesuffix(".gguf")

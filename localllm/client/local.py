@@ -10,16 +10,7 @@ from localllm.config import SamplingParams
 from localllm.engine.async_engine import AsyncLLMEngine
 from localllm.errors import RequestError
 from localllm.llm import LLM
-from localllm.model_card import local_card
-
-
-def _gguf_metadata(llm: LLM) -> dict[str, object]:
-    if not llm.path.is_file():
-        return {}
-    from localllm.gguf.reader import GGUFFile
-
-    return {k: v for k, v in GGUFFile(llm.path).metadata.items()
-            if isinstance(v, (int, float, str))}
+from localllm.model_card import gguf_scalars, local_card
 
 
 class LocalClient(Client):
@@ -31,7 +22,7 @@ class LocalClient(Client):
         self.llm = llm
         self.engine = AsyncLLMEngine(llm.engine, num_threads=num_threads)
         runs_on = f"{llm.backend.name} backend on {llm.backend.device.type}"
-        self.card = local_card(llm.path, llm.config, _gguf_metadata(llm),
+        self.card = local_card(llm.path, llm.config, gguf_scalars(llm.path),
                                llm.engine.max_model_len, runs_on, quantize)
 
     def stream_chat(self, messages: Sequence[Message],
