@@ -153,6 +153,43 @@ def int4_dequant_t_ref(packed: torch.Tensor, scales_zeros: torch.Tensor, planes:
     return w.view(-1, planes, k).sum(dim=1).t().to(torch.bfloat16)  # planes summed in fp32
 
 
+def int4_rows_half(packed: torch.Tensor, scales: torch.Tensor, planes: int,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed weight with fp16 scales (`scales_layout` half; no codebook), in
+    fp32, as the source format dequantizes them (scale * q, one rounding): fp32 [len(ids), in].
+    packed: uint8 [out_padded, planes * in / 2]; scales: fp16 [in / gs, out_padded]; ids:
+    int64 [T], each below the weight's rows."""
+    lib = cpu_native.library()
+    assert lib is not None
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    layout = scales_layout(scales, k2, planes, n_pad) if planes in (1, 2) else None
+    if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
+            and layout is not None and layout[1] and scales.is_contiguous()
+            and ids.dtype == torch.int64 and ids.dim() == 1):
+        raise ValueError("int4_rows_half: bad operands")
+    ids = ids.contiguous()
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n_pad:
+        raise IndexError("int4_rows_half: a row id is out of range")
+    k = k2 // planes
+    out = torch.empty(len(ids), k, dtype=torch.float32)
+    lib.int4_rows_half(packed.data_ptr(), scales.data_ptr(), k, n_pad, planes, layout[0],
+                       ids.data_ptr(), len(ids), out.data_ptr())
+    return out
+
+
+def int4_rows_half_ref(packed: torch.Tensor, scales: torch.Tensor, planes: int,
+                       ids: torch.Tensor) -> torch.Tensor:
+    k2 = packed.shape[1] * 2
+    k = k2 // planes
+    half_tile = TILE // 2
+    b = packed.view(-1, k2, half_tile)[ids // TILE, :, ids % half_tile]  # [T, K2]
+    c = torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
+    q = (c[:, :k] - 8.0) * 16.0 + c[:, k:] if planes == 2 else c - 8.0
+    gs = k // scales.shape[0]
+    # the operation order of Int4Weight / Int8Weight.dequantize: scale * q
+    return (q.view(len(ids), -1, gs) * scales[:, ids].t().float().unsqueeze(-1)).view(-1, k)
+
+
 def group_scales_zeros(scales_zeros: torch.Tensor, planes: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (scale, zero) [K2 / gs, n_pad] each of either scales form (`scales_layout`)."""

@@ -44,6 +44,11 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
                     int64_t half_scales);
 
+/* Rows ids[0..T) of a packed weight with fp16 scales in fp32, as the source dequantizes them:
+ * out fp32 [T][K] (cpu_int4_rows.c). */
+void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
+                    int64_t planes, int64_t gs, const int64_t *ids, int64_t T, float *out);
+
 /* ---- the small per-layer ops of a decode step (cpu_ops.c) */
 
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,

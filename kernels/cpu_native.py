@@ -10,7 +10,8 @@ family:
   products, or fp32 FMAs in the AVX2 build, on the packed layout of PyTorch's int4 CPU
   kernel); for a prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile
   matmuls straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's
-  matmul;
+  matmul; `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
+  refined logits, embedding lookups);
 - `cpu_ops`: `rms_norm` (optionally adding into the residual stream first), `silu_mul`,
   `rope_`, `kv_store`, `decode_attention` (paged, online softmax) and `top_k`;
 - `cpu_layers`: `DecoderStack.run`, every layer of a decode step in one call, through the
@@ -51,8 +52,8 @@ def _files(*names: str) -> tuple[Path, ...]:
 ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_amx.c", "cpu_int4_dequant.c",
-                     "cpu_ops.c", "cpu_layers.c"),
-    "avx2": _files("cpu_int4_avx2.c", "cpu_ops_avx2.c", "cpu_layers.c"),
+                     "cpu_int4_rows.c", "cpu_ops.c", "cpu_layers.c"),
+    "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_simd.h"),
@@ -231,6 +232,7 @@ def _library_of(name: str) -> ctypes.CDLL | None:
         "int4_mm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64],
                     ctypes.c_int),
         "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
+        "int4_rows_half": ([ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr], None),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                        i64], ctypes.c_int),

@@ -271,6 +271,25 @@ def test_int4_dequant_t(planes: int, group: int, offsets: bool) -> None:
     assert not wt[:, 96:].any()  # padding rows are zero weights
 
 
+@pytest.mark.parametrize("group", [32, 16])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int4_rows_half_equal_the_source_rows(planes: int, group: int) -> None:
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_linear import random_int4, random_int8
+
+    src = (random_int4 if planes == 1 else random_int8)(160, 128, offsets=False, seed=3,
+                                                        group=group)
+    w = CpuPackedWeight.from_weight(src, torch.bfloat16)
+    assert w.half  # fp16 scales kept as the file stores them
+    ids = torch.tensor([0, 31, 32, 63, 64, 100, 159, 5, 5] * 4)  # both nibbles, 3 tiles, 36 rows
+    got = cpu_int4.int4_rows_half(w.packed, w.scales_zeros, planes, ids)
+    assert torch.equal(got, cpu_int4.int4_rows_half_ref(w.packed, w.scales_zeros, planes, ids))
+    assert torch.equal(got, src.dequantize()[ids])  # exact: the file's own values
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_int4.int4_rows_half(w.packed, w.scales_zeros, planes, torch.tensor([192]))
+
+
 needs_gemm = pytest.mark.skipif(not cpu_native.gemm_available(), reason="this CPU has no AMX "
                                 "(amx_tile, amx_bf16): prompts take dequantize + matmul, which "
                                 "the cpu_path tests cover")

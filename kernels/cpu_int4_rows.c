@@ -1,0 +1,50 @@
+/* int4_rows_half: whole rows of a packed weight with fp16 scales (Q8_0, Q4_0, Q5_0: `half` in
+ * cpu_int4_groups.h), dequantized in fp32 exactly as the source format does (scale * q, one
+ * rounding), for an LM head's refined logits and embedding lookups. Plain C (the compiler
+ * vectorizes it), in both builds; layout in cpu_int4.h. */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* an fp16 value in fp32 (exact, subnormals included) */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F)
+        bits = sign | 0x7F800000u | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man)
+        bits = sign;
+    else { /* subnormal: man * 2^-24 */
+        float f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* out[i][k] (fp32 [T][K]) = the weight of row ids[i] at column k: one plane, (c - 8) s; two
+ * planes (q = 16 h + l), ((h - 8) 16 + l) s; s = sz[k / gs][row] (fp16 [K / gs][n_pad]). The
+ * caller checks 0 <= ids[i] < rows. */
+void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
+                    int64_t planes, int64_t gs, const int64_t *ids, int64_t T, float *out) {
+    const int64_t K2 = planes * K;
+#pragma omp parallel for schedule(static) if (T >= 32)
+    for (int64_t i = 0; i < T; i++) {
+        const int64_t n = ids[i], shift = n % 64 >= 32 ? 4 : 0;
+        const uint8_t *hi = packed + (n / 64) * K2 * 32 + n % 32; /* column 0's byte */
+        const uint8_t *lo = hi + K * 32;                          /* plane 1 (two planes) */
+        for (int64_t g = 0; g < K / gs; g++) {
+            const float s = half_to_float(sz[g * n_pad + n]);
+            float *o = out + i * K + g * gs;
+            for (int64_t j = 0, k = g * gs; j < gs; j++, k++) {
+                const int c = ((hi[k * 32] >> shift) & 15) - 8;
+                o[j] = (float)(planes == 2 ? c * 16 + ((lo[k * 32] >> shift) & 15) : c) * s;
+            }
+        }
+    }
+}
