@@ -184,6 +184,7 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
 }
 
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx) {
+#pragma omp parallel for schedule(static) if (rows >= 2) /* rows are independent */
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float val[64];
