@@ -25,25 +25,34 @@ static inline Scales scales_of(const uint16_t *sz, int64_t n_pad, int64_t K, int
     return s;
 }
 
+/* The sum of the gs (16 or 32) bf16 values at xg in fp32, as a fixed pairwise tree: halves
+ * added lane by lane (v[i] + v[i + half]) until one value is left. Plain C that the compiler
+ * vectorizes without reordering (the tree's independent adds take a few cycles where a running
+ * sum waited on gs dependent adds). */
+static inline float group_sum(const uint16_t *xg, int gs) {
+    float v[32];
+    for (int i = 0; i < 32; i++) {
+        const uint32_t bits = i < gs ? (uint32_t)xg[i] << 16 : 0u;
+        __builtin_memcpy(&v[i], &bits, 4);
+    }
+    if (gs == 32)
+        for (int i = 0; i < 16; i++) v[i] += v[i + 16];
+    for (int i = 0; i < 8; i++) v[i] += v[i + 8];
+    for (int i = 0; i < 4; i++) v[i] += v[i + 4];
+    for (int i = 0; i < 2; i++) v[i] += v[i + 2];
+    return v[0] + v[1];
+}
+
 /* sx[m * groups + g] = sum of the gs bf16 values of x row m in group g (groups = planes K /
- * gs; plane p reads x[k - p K]), summed in order in fp32. malloc'd: the caller frees it; NULL
+ * gs; plane p reads x[k - p K]), in fp32 (group_sum). malloc'd: the caller frees it; NULL
  * when out of memory. */
 static inline float *x_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                   int64_t gs, int64_t groups) {
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (!xsum) return NULL;
     for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *xg = x + m * ldx + (g * gs) % K;
-            float acc = 0.0f;
-            for (int i = 0; i < gs; i++) {
-                uint32_t bits = (uint32_t)xg[i] << 16;
-                float f;
-                __builtin_memcpy(&f, &bits, 4);
-                acc += f;
-            }
-            xsum[m * groups + g] = acc;
-        }
+        for (int64_t g = 0; g < groups; g++)
+            xsum[m * groups + g] = group_sum(x + m * ldx + (g * gs) % K, (int)gs);
     return xsum;
 }
 
