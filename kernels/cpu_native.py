@@ -56,8 +56,9 @@ SOURCES = {
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {
-    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_simd.h"),
-    "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_simd_avx2.h"),
+    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_paged.h",
+                     "cpu_simd.h"),
+    "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_paged.h", "cpu_simd_avx2.h"),
 }
 ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "fma"),

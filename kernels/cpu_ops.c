@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
 /* RMSNorm of each row of x (bf16 [rows][dim], row stride ldx) into out (stride ldo):
@@ -132,13 +133,8 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
     const int64_t group = num_heads / num_kv_heads, nv = head_dim / 16;
     const int64_t row = num_kv_heads * head_dim;
     if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) {
-        if (ctx[b] < 1 || ctx[b] > width * block_size) return -1;
-        for (int64_t j = 0; j < (ctx[b] + block_size - 1) / block_size; j++)
-            if (tables[b * width + j] < 0 || tables[b * width + j] >= n_blocks) return -1;
-        work += ctx[b];
-    }
+    const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
+    if (work < 0) return -1;
 #pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
     for (int64_t task = 0; task < B * num_kv_heads; task++) {
         const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
@@ -157,6 +153,10 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
         for (int64_t start = 0; start < ctx[b]; start += block_size) {
             const int64_t blk = tables[b * width + start / block_size];
             const int64_t n = ctx[b] - start < block_size ? ctx[b] - start : block_size;
+            if (start + n < ctx[b]) /* blocks are scattered: the hardware cannot prefetch the next */
+                prefetch_block(kpool, vpool, tables[b * width + start / block_size + 1],
+                               ctx[b] - start - n < block_size ? ctx[b] - start - n : block_size,
+                               block_size, row, kh * head_dim, head_dim);
             for (int64_t c0 = 0; c0 < n; c0 += 64) {
                 const int64_t cn = n - c0 < 64 ? n - c0 : 64;
                 const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
