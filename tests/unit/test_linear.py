@@ -118,6 +118,27 @@ def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -
             cpu_native.set_amx(True)
 
 
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_a_short_prompt_beside_decoding_rows_gets_its_result_alone(kind: str,
+                                                                   cpu_path: str) -> None:
+    # 8 decoding rows and a 12-row prompt (20 rows, above the kernel's 16): the prompt's rows
+    # take the path their own count picks, so a request's prefill does not depend on who
+    # decodes in its step
+    lin, x = quantized_linear_and_rows(kind, 20, seed=4)
+    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
+    if amx:
+        cpu_native.set_amx(False)
+    try:
+        with decode_rows(8):
+            mixed = lin(x)
+        assert torch.equal(mixed[8:], lin(x[8:]))
+        with decode_rows(8):
+            assert torch.equal(mixed[:8], lin(x[:8]))
+    finally:
+        if amx:
+            cpu_native.set_amx(True)
+
+
 def test_pack_tiles_is_pytorchs_int4_packed_layout() -> None:
     codes = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(7),
                           dtype=torch.uint8)

@@ -4,8 +4,10 @@ A packed matmul's rows are decoding tokens (the step's leading rows, `decode_row
 prompt's rows. Decoding rows always take the few-rows kernel, which computes every row the same
 way whatever else shares its batch, so a request's tokens do not depend on its neighbours, even
 when a long prompt shares the step. A batch of at most the first entry's row count runs wholly
-on the kernel too; the other rows of a larger batch take the first later entry whose row count
-they fit.
+on the kernel too; in a larger batch, the rows that are not decoding take the path their own
+count picks as if they had the step alone: the kernel for at most the first entry's rows, else
+the first later entry whose row count they fit (so a short prompt beside decoding rows is
+computed as it is alone).
 
 `ROW_POLICY[machine, kind]` lists (at most this many rows, path) in order. The machine is
 `amx` (native kernels and AMX tiles), `native` (native kernels without AMX: the AVX-512 or
@@ -124,15 +126,22 @@ def split_matmul(x: torch.Tensor, table: Policy,
                  kernel: Callable[[torch.Tensor], torch.Tensor],
                  rest: Callable[[torch.Tensor, MatmulPath], torch.Tensor],
                  out_features: int) -> torch.Tensor:
-    """x @ W.T through `kernel` for the rows `decoding_split` gives it, and through
-    `rest(rows, path)` for the others."""
+    """x @ W.T through `kernel` for the rows `decoding_split` gives it; the others (a prompt's
+    rows) take the path their own count picks, as they would in a step of their own: `kernel`
+    for at most the first entry's rows, else `rest(rows, path)`. So a short prompt that joins
+    decoding rows is computed as it is alone, and its request's tokens do not depend on them."""
     m = x.shape[0]
     d = decoding_split(table, m)
     if d == m:
         return kernel(x)
+
+    def others(rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        return kernel(rows) if n <= table[0][0] else rest(rows, rest_path(table, n))
+
     if d == 0:
-        return rest(x, rest_path(table, m))
+        return others(x)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     y[:d] = kernel(x[:d])
-    y[d:] = rest(x[d:], rest_path(table, m - d))
+    y[d:] = others(x[d:])
     return y
