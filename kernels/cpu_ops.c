@@ -120,88 +120,237 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
  * q: bf16 [B][num_heads][head_dim] (token stride ldq);
  * pools: bf16 [blocks][block_size][num_kv_heads][head_dim];
  * tables: int64 [B][width]; ctx[b]: cached positions of sequence b (this step's included).
- * out: bf16 [B][num_heads][head_dim] (token stride ldo). Scores, softmax and the weighted sum
- * are fp32 (online softmax, one block of positions at a time); head_dim is a multiple of 16,
- * <= 256.
- * Returns -1, computing nothing, if a context length or block number is out of range. */
+ * out: bf16 [B][num_heads][head_dim] (token stride ldo). head_dim is a multiple of 16, <= 256;
+ * at most MAX_GROUP query heads share a KV head.
+ *
+ * A task is one KV head of one sequence, with the query heads that share it; a sequence
+ * longer than ATTN_UNIT positions splits into up to ATTN_SPLITS chunks (a number its own
+ * length decides, so its result is the same in any batch), whose tasks both cores share, and
+ * whose (max, denominator, sum) are merged in chunk order. Within a task, positions go SPAN
+ * at a time: scores s = scale (q . k) from bf16 dot products (exact products, fp32 sums) with
+ * 16 positions' sums reduced together, an online softmax in fp32, and the weighted sum of V
+ * in fp32, each V row widened once for up to 4 query heads. K and V lines AHEAD positions on
+ * are prefetched while a span computes: blocks are scattered through the pools, so the
+ * hardware prefetcher cannot follow them.
+ * Returns -1, computing nothing, if a context length or block number is out of range; -2 out
+ * of memory. */
 #define MAX_GROUP 16
+#define ATTN_SPLITS 8
+#define ATTN_UNIT 512 /* positions: a chunk is a multiple of this (or of the block size) */
+
+/* lane i of the result = the sum of the 16 lanes of v[i] */
+static inline __m512 sum_lanes16(__m512 v[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: pairs of (v[2i], v[2i+1]) sums */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: sums of v[4i .. 4i+3] over that lane */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                     _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                     _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88),
+                         _mm512_shuffle_f32x4(f01, f23, 0xDD));
+}
+
+/* the chunks of a context of n positions: count, and positions per chunk (*len) */
+static inline int64_t attn_chunks(int64_t n, int64_t block_size, int64_t *len) {
+    const int64_t unit = block_size > ATTN_UNIT ? block_size : ATTN_UNIT;
+    const int64_t units = (n + unit - 1) / unit;
+    const int64_t per = (units + ATTN_SPLITS - 1) / ATTN_SPLITS;
+    *len = per * unit;
+    return (units + per - 1) / per;
+}
+
+/* bf16 out[0..16 nv) = acc * inv */
+static inline void attn_write(uint16_t *out, const float *acc, float inv, int64_t nv) {
+    for (int64_t j = 0; j < nv; j++)
+        store_bf16(out + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(inv)),
+                   0xFFFF);
+}
+
+/* One task: positions [p0, p1) of sequence b (block table `table`) for KV head kh and its
+ * `group` query heads qh (bf16 [group][head_dim]); out_part: fp32 [group][2 + head_dim], (max,
+ * denominator, unnormalized weighted sum of V) of each query head; or, with `out` (the
+ * sequence is one chunk), the normalized result in out (bf16 [group][head_dim]). Positions go
+ * SPAN at a time (across blocks): the softmax's serial steps (max, exponentials, sums) then
+ * cover SPAN positions at once. */
+#define SPAN 64
+#define AHEAD 32 /* positions (64 slowed 8 streams of 300 positions by 5%) */
+static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
+                       const int64_t *table, int64_t p0, int64_t p1, int64_t kh, int64_t group,
+                       int64_t head_dim, int64_t row, int64_t block_size, float scale,
+                       float *out_part, uint16_t *out) {
+    float part[MAX_GROUP * (2 + 256)] __attribute__((aligned(64))); /* local: no false sharing */
+    const int64_t nq = (head_dim + 31) / 32, nv = head_dim / 16, stride = 2 + head_dim;
+    __m512i qb[MAX_GROUP][8];
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t j = 0; j < nq; j++) {
+            const int64_t left = head_dim - 32 * j;
+            qb[g][j] = _mm512_maskz_loadu_epi16(left >= 32 ? ~0u : (1u << left) - 1,
+                                                qh + g * head_dim + 32 * j);
+        }
+        part[g * stride] = -INFINITY;
+        part[g * stride + 1] = 0.0f;
+        memset(part + g * stride + 2, 0, sizeof(float) * (size_t)head_dim);
+    }
+    const uint16_t *krow[SPAN], *vrow[SPAN];
+    for (int64_t start = p0; start < p1; start += SPAN) {
+        const int64_t cn = p1 - start < SPAN ? p1 - start : SPAN;
+        for (int64_t i = 0; i < cn; i++) {
+            const int64_t off = kv_offset(table, start + i, block_size, row, kh * head_dim);
+            krow[i] = kpool + off;
+            vrow[i] = vpool + off;
+        }
+        const int64_t nvec = (cn + 15) / 16;
+        float e[MAX_GROUP][SPAN] __attribute__((aligned(64))), corr[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            __m512 s[SPAN / 16];
+            for (int64_t c = 0; c < nvec; c++) {
+                const int64_t ahead = start + AHEAD + 16 * c; /* 16 positions further on */
+                for (int64_t pos = ahead; g == 0 && pos < p1 && pos < ahead + 16; pos++)
+                    prefetch_position(kpool, vpool,
+                                      kv_offset(table, pos, block_size, row, kh * head_dim),
+                                      head_dim);
+                __m512 d[16];
+                for (int64_t p = 0; p < 16; p++) {
+                    d[p] = _mm512_setzero_ps();
+                    if (16 * c + p >= cn) continue;
+                    const uint16_t *kr = krow[16 * c + p];
+                    for (int64_t j = 0; j < nq; j++) {
+                        const int64_t left = head_dim - 32 * j;
+                        const __m512i kv = _mm512_maskz_loadu_epi16(
+                            left >= 32 ? ~0u : (1u << left) - 1, kr + 32 * j);
+                        d[p] = _mm512_dpbf16_ps(d[p], (__m512bh)kv, (__m512bh)qb[g][j]);
+                    }
+                }
+                s[c] = _mm512_mul_ps(sum_lanes16(d), _mm512_set1_ps(scale));
+            }
+            float *pg = part + g * stride;
+            __m512 mv = _mm512_set1_ps(pg[0]);
+            for (int64_t c = 0; c < nvec; c++)
+                mv = _mm512_mask_max_ps(mv, tail_mask(cn - 16 * c), mv, s[c]);
+            const float m = _mm512_reduce_max_ps(mv);
+            corr[g] = expf(pg[0] - m); /* 0 for the first span (pg[0] = -inf) */
+            __m512 dsum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nvec; c++) {
+                const __m512 ev = _mm512_maskz_mov_ps(
+                    tail_mask(cn - 16 * c), exp512(_mm512_sub_ps(s[c], _mm512_set1_ps(m))));
+                _mm512_store_ps(e[g] + 16 * c, ev);
+                dsum = _mm512_add_ps(dsum, ev);
+            }
+            pg[0] = m;
+            pg[1] = pg[1] * corr[g] + _mm512_reduce_add_ps(dsum);
+        }
+        /* acc = acc corr + sum_p e[p] V[p]: 4 query heads x 64 dims at a time in registers, so
+         * that each V row is widened once per 64 dims */
+        for (int64_t j0 = 0; j0 < nv; j0 += 4) {
+            const int64_t w = nv - j0 < 4 ? nv - j0 : 4;
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                __m512 a[4][4];
+                for (int64_t gi = 0; gi < 4; gi++)
+                    for (int64_t i = 0; i < 4; i++)
+                        a[gi][i] = gi < gn && i < w
+                                       ? _mm512_mul_ps(_mm512_loadu_ps(part + (g0 + gi) * stride +
+                                                                       2 + 16 * (j0 + i)),
+                                                       _mm512_set1_ps(corr[g0 + gi]))
+                                       : _mm512_setzero_ps();
+                for (int64_t p = 0; p < cn; p++) {
+                    __m512 v[4];
+                    for (int64_t i = 0; i < 4; i++)
+                        v[i] = i < w ? load_bf16(vrow[p] + 16 * (j0 + i), 0xFFFF)
+                                     : _mm512_setzero_ps();
+                    for (int64_t gi = 0; gi < gn; gi++) {
+                        const __m512 ep = _mm512_set1_ps(e[g0 + gi][p]);
+                        for (int64_t i = 0; i < 4; i++)
+                            a[gi][i] = _mm512_fmadd_ps(ep, v[i], a[gi][i]);
+                    }
+                }
+                for (int64_t gi = 0; gi < gn; gi++)
+                    for (int64_t i = 0; i < w; i++)
+                        _mm512_storeu_ps(part + (g0 + gi) * stride + 2 + 16 * (j0 + i), a[gi][i]);
+            }
+        }
+    }
+    if (out) { /* the whole sequence: normalized into its output rows */
+        for (int64_t g = 0; g < group; g++)
+            attn_write(out + g * head_dim, part + g * stride + 2, 1.0f / part[g * stride + 1],
+                       nv);
+        return;
+    }
+    memcpy(out_part, part, sizeof(float) * (size_t)(group * stride));
+}
+
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                      uint16_t *out, int64_t ldo) {
-    const int64_t group = num_heads / num_kv_heads, nv = head_dim / 16;
-    const int64_t row = num_kv_heads * head_dim;
+    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
+    const int64_t stride = 2 + head_dim, nv = head_dim / 16;
     if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
     const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
     if (work < 0) return -1;
+    /* chunk c of all sequences' chunks -> its sequence: first[b] = b's first chunk */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!first) return -2;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len;
+        first[b + 1] = first[b] + attn_chunks(ctx[b], block_size, &len);
+    }
+    const int64_t chunks = first[B];
+    /* the partial results of sequences of more than one chunk */
+    const size_t part_floats = (size_t)(chunks * num_kv_heads * group * stride);
+    float *parts = chunks > B ? malloc(sizeof(float) * part_floats) : NULL;
+    if (chunks > B && !parts) {
+        free(first);
+        return -2;
+    }
 #pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
-    for (int64_t task = 0; task < B * num_kv_heads; task++) {
-        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
-        __m512 qv[MAX_GROUP][16], acc[MAX_GROUP][16];
-        float mx[MAX_GROUP], den[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qh = q + b * ldq + (kh * group + g) * head_dim;
-            for (int64_t j = 0; j < nv; j++) {
-                qv[g][j] = _mm512_mul_ps(load_bf16(qh + 16 * j, 0xFFFF), _mm512_set1_ps(scale));
-                acc[g][j] = _mm512_setzero_ps();
+    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
+        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
+        int64_t b = 0;
+        while (first[b + 1] <= chunk) b++;
+        int64_t len;
+        attn_chunks(ctx[b], block_size, &len);
+        const int64_t p0 = (chunk - first[b]) * len;
+        const int64_t p1 = p0 + len < ctx[b] ? p0 + len : ctx[b];
+        const int whole = first[b + 1] - first[b] == 1;
+        attn_chunk(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0,
+                   p1, kh, group, head_dim, row, block_size, scale,
+                   whole ? NULL : parts + (chunk * num_kv_heads + kh) * group * stride,
+                   whole ? out + b * ldo + kh * group * head_dim : NULL);
+    }
+    /* out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) den_c over a sequence's chunks */
+    for (int64_t b = 0; b < B; b++) {
+        if (first[b + 1] - first[b] == 1) continue;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t at = (h / group) * group + h % group; /* (kh, g) within a chunk */
+            float M = -INFINITY, den = 0.0f;
+            for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                const float mc = parts[(c * num_kv_heads * group + at) * stride];
+                M = mc > M ? mc : M;
             }
-            mx[g] = -INFINITY;
-            den[g] = 0.0f;
-        }
-        float sc[MAX_GROUP][64] __attribute__((aligned(64)));
-        for (int64_t start = 0; start < ctx[b]; start += block_size) {
-            const int64_t blk = tables[b * width + start / block_size];
-            const int64_t n = ctx[b] - start < block_size ? ctx[b] - start : block_size;
-            if (start + n < ctx[b]) /* blocks are scattered: the hardware cannot prefetch the next */
-                prefetch_block(kpool, vpool, tables[b * width + start / block_size + 1],
-                               ctx[b] - start - n < block_size ? ctx[b] - start - n : block_size,
-                               block_size, row, kh * head_dim, head_dim);
-            for (int64_t c0 = 0; c0 < n; c0 += 64) {
-                const int64_t cn = n - c0 < 64 ? n - c0 : 64;
-                const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
-                const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
-                for (int64_t p = 0; p < cn; p++) {
-                    __m512 kv[16];
-                    for (int64_t j = 0; j < nv; j++) kv[j] = load_bf16(kb + p * row + 16 * j, 0xFFFF);
-                    for (int64_t g = 0; g < group; g++) {
-                        __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);
-                        for (int64_t j = 1; j < nv; j++) d = _mm512_fmadd_ps(qv[g][j], kv[j], d);
-                        sc[g][p] = _mm512_reduce_add_ps(d);
-                    }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    float m = mx[g];
-                    for (int64_t p = 0; p < cn; p++) m = sc[g][p] > m ? sc[g][p] : m;
-                    const float corr = expf(mx[g] - m);
-                    mx[g] = m;
-                    den[g] *= corr;
-                    for (int64_t j = 0; j < nv; j++)
-                        acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(corr));
-                    for (int64_t p = 0; p < cn; p += 16) {
-                        const __mmask16 mk = tail_mask(cn - p);
-                        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc[g] + p),
-                                                              _mm512_set1_ps(m)));
-                        _mm512_mask_storeu_ps(sc[g] + p, mk, e);
-                        den[g] += _mm512_mask_reduce_add_ps(mk, e);
-                    }
-                }
-                for (int64_t p = 0; p < cn; p++) {
-                    __m512 vv[16];
-                    for (int64_t j = 0; j < nv; j++) vv[j] = load_bf16(vb + p * row + 16 * j, 0xFFFF);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512 pg = _mm512_set1_ps(sc[g][p]);
-                        for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
-                    }
-                }
+            float acc[256] __attribute__((aligned(64)));
+            memset(acc, 0, sizeof(float) * (size_t)head_dim);
+            for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                const float *pc = parts + (c * num_kv_heads * group + at) * stride;
+                const float w = expf(pc[0] - M);
+                den += w * pc[1];
+                for (int64_t j = 0; j < nv; j++)
+                    _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_set1_ps(w),
+                                                                  _mm512_loadu_ps(pc + 2 + 16 * j),
+                                                                  _mm512_load_ps(acc + 16 * j)));
             }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            uint16_t *oh = out + b * ldo + (kh * group + g) * head_dim;
-            const __m512 inv = _mm512_set1_ps(1.0f / den[g]);
-            for (int64_t j = 0; j < nv; j++) store_bf16(oh + 16 * j, _mm512_mul_ps(acc[g][j], inv), 0xFFFF);
+            attn_write(out + b * ldo + h * head_dim, acc, 1.0f / den, nv);
         }
     }
+    free(first);
+    free(parts);
     return 0;
 }
 

@@ -147,10 +147,13 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             and block_tables.shape[0] == b and context_lens.shape == (b,)):
         raise ValueError("decode_attention: bad operands")
     out = torch.empty(b, num_heads, head_dim, dtype=torch.bfloat16)
-    if lib.decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                            k_pool.shape[0], block_tables.data_ptr(), width,
-                            context_lens.data_ptr(), b, num_heads, num_kv_heads, head_dim, bs,
-                            scale, out.data_ptr(), num_heads * head_dim):
+    rc = lib.decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                              k_pool.shape[0], block_tables.data_ptr(), width,
+                              context_lens.data_ptr(), b, num_heads, num_kv_heads, head_dim, bs,
+                              scale, out.data_ptr(), num_heads * head_dim)
+    if rc == -2:
+        raise MemoryError("decode_attention: out of memory")
+    if rc:
         raise ValueError("decode_attention: a context length or block is out of range")
     return out
 

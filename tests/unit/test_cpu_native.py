@@ -172,6 +172,32 @@ def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
     bf16_close(got, cpu_ops.decode_attention_ref(q, kp, vp, tables, ctx, 0.125))
 
 
+@pytest.mark.parametrize("ctxs, head_dim, n_heads, n_kv, block", [
+    ([700, 1, 1300], 64, 9, 3, 16),   # chunks of 512 positions merged, beside a one-chunk row
+    ([5000], 128, 8, 1, 32),          # eight chunks, group of 8
+    ([77, 600], 80, 4, 2, 128),       # head_dim not a multiple of 32; blocks beyond a chunk
+    ([33], 256, 2, 2, 16),
+])
+def test_decode_attention_long_contexts_and_head_sizes(ctxs: list[int], head_dim: int,
+                                                       n_heads: int, n_kv: int,
+                                                       block: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    width = max(ctxs) // block + 1
+    n_blocks = width * len(ctxs) + 3
+    kp = torch.randn(n_blocks, block, n_kv, head_dim, generator=g).bfloat16()
+    vp = torch.randn(n_blocks, block, n_kv, head_dim, generator=g).bfloat16()
+    tables = torch.randperm(n_blocks, generator=g)[:width * len(ctxs)].view(len(ctxs), width)
+    ctx = torch.tensor(ctxs)
+    q = (torch.randn(len(ctxs), n_heads, head_dim, generator=g) * 2).bfloat16()
+    scale = head_dim ** -0.5
+    got = cpu_ops.decode_attention(q, kp, vp, tables, ctx, scale)
+    bf16_close(got, cpu_ops.decode_attention_ref(q, kp, vp, tables, ctx, scale), atol=1e-5)
+    for i in range(len(ctxs)):  # a sequence's result does not depend on its batch
+        alone = cpu_ops.decode_attention(q[i:i + 1], kp, vp, tables[i:i + 1], ctx[i:i + 1],
+                                         scale)
+        assert torch.equal(alone[0], got[i])
+
+
 def test_decode_attention_refuses_out_of_range_tables() -> None:
     kp = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
