@@ -1,5 +1,5 @@
-/* Internal to the int4 kernel files (cpu_int4.c, cpu_int4_avx512.c, cpu_int4_amx.c,
- * cpu_int4_dequant.c): the packed weight layout, the helpers that unpack its nibbles and read
+/* Internal to the int4 kernel files (cpu_int4.c, cpu_int4_avx512.c, cpu_int4_u8.c,
+ * cpu_int4_amx.c, cpu_int4_dequant.c): the packed weight layout, the helpers that unpack its nibbles and read
  * its scales, and the two tile paths that int4_mm chooses between.
  *
  * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
@@ -131,6 +131,12 @@ INT4_INTERNAL void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64
                                   const uint8_t *packed, const Scales *sz, int64_t N,
                                   int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
                                   int64_t ldy, int64_t gs, const uint16_t *lut);
+
+/* AVX-512 BF16, a grouped int8 weight with fp16 scales (two planes, `half`; no codebook):
+ * both planes in one product per weight (cpu_int4_u8.c) */
+INT4_INTERNAL void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                              const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
+                              const float *xsum, uint16_t *y, int64_t ldy, int64_t gs);
 
 /* AMX tiles, groups of GROUP columns without a codebook; the caller holds the OS's
  * permission (int4_gemm_ready) (cpu_int4_amx.c) */

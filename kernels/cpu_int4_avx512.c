@@ -288,6 +288,10 @@ static inline __attribute__((always_inline)) void tile_loop(
 void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
                     uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut) {
+    if (sz->planes == 2 && sz->half && !lut) {
+        int4_mm_u8(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, gs);
+        return;
+    }
     const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
     const __m512i lutlo = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut + 16) : _mm512_setzero_si512();
     /* a codebook exact in bf16 (lo all zero: 0x0000 or 0x8000) takes one product per weight */

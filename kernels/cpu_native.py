@@ -51,8 +51,8 @@ def _files(*names: str) -> tuple[Path, ...]:
 
 ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
-    "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_amx.c", "cpu_int4_dequant.c",
-                     "cpu_int4_rows.c", "cpu_ops.c", "cpu_layers.c"),
+    "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_u8.c", "cpu_int4_amx.c",
+                     "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_ops.c", "cpu_layers.c"),
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {

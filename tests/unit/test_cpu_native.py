@@ -86,16 +86,19 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
     bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
 
 
+@pytest.mark.parametrize("offsets", [True, False])  # False, two planes: Q8_0's one-pass path
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("group", [32, 16])
-def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int) -> None:
-    w = packed(320, 128, 1, group=group)  # 5 tiles: one of them unpaired at batch 1
+def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int,
+                                                        planes: int, offsets: bool) -> None:
+    w = packed(320, 128, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, 1)
+    batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, planes)
     for i in range(20):
         pair = cpu_int4.int4_mm(x[[i, 19 - i if i != 19 - i else 0]], w.packed, w.scales_zeros,
-                                320, 1)
+                                320, planes)
         assert torch.equal(pair[0], batched[i])
-        alone = cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, 1)[0]
+        alone = cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, planes)[0]
         if matmul_path == "avx512" or group == 16:  # AMX takes groups of 32 only
             assert torch.equal(alone, batched[i])
         else:  # one row runs on AVX-512: equal up to fp32 rounding
