@@ -226,6 +226,53 @@ static inline __attribute__((always_inline)) void tile_rows8(
     }
 }
 
+/* Each row-count path compiled on its own for each (group size, codebook terms), called
+ * from tile_unit: inlined there side by side, tile_rows8's loop ran 20% slower (the register
+ * allocation of the combined function). */
+#define PATH_ARGS                                                                             \
+    const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0, const uint16_t *x, \
+        int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, __m512i lut,      \
+        __m512i lut_lo
+#define ROW_PATHS(gs, terms)                                                                   \
+    static __attribute__((noinline)) void rows8_##gs##_##terms(PATH_ARGS) {                    \
+        (void)tile_bytes;                                                                      \
+        tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo);      \
+    }                                                                                          \
+    static __attribute__((noinline)) void rows4_##gs##_##terms(PATH_ARGS) {                    \
+        (void)tile_bytes;                                                                      \
+        tile_rows4(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo);      \
+    }                                                                                          \
+    static __attribute__((noinline)) void two_tiles_##gs##_##terms(PATH_ARGS) {                \
+        tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 2, 1, gs, terms,  \
+                   lut, lut_lo);                                                               \
+    }                                                                                          \
+    static __attribute__((noinline)) void rows2_##gs##_##terms(PATH_ARGS) {                    \
+        tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, 2, gs, terms,  \
+                   lut, lut_lo);                                                               \
+    }                                                                                          \
+    static __attribute__((noinline)) void rows1_##gs##_##terms(PATH_ARGS) {                    \
+        tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, 1, gs, terms,  \
+                   lut, lut_lo);                                                               \
+    }                                                                                          \
+    static const RowPath paths_##gs##_##terms[5] = {                                           \
+        rows8_##gs##_##terms, rows4_##gs##_##terms, two_tiles_##gs##_##terms,                  \
+        rows2_##gs##_##terms, rows1_##gs##_##terms};
+
+typedef void (*RowPath)(PATH_ARGS);
+ROW_PATHS(32, 0)
+ROW_PATHS(16, 0)
+ROW_PATHS(32, 1)
+ROW_PATHS(16, 1)
+ROW_PATHS(32, 2)
+ROW_PATHS(16, 2)
+
+/* the paths of one (group size, codebook terms): 8 rows, 4, two tiles of 1, 2, 1 */
+static inline const RowPath *row_paths(const int GS, const int USE_LUT) {
+    if (USE_LUT == 0) return GS == 32 ? paths_32_0 : paths_16_0;
+    if (USE_LUT == 1) return GS == 32 ? paths_32_1 : paths_16_1;
+    return GS == 32 ? paths_32_2 : paths_16_2;
+}
+
 /* nt (1 or 2) consecutive tiles from tile t for the M rows of x (operands of int4_mm_avx512) */
 static inline __attribute__((always_inline)) void tile_unit(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -239,19 +286,9 @@ static inline __attribute__((always_inline)) void tile_unit(
         const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
         const uint16_t *xm = x + m * ldx;
         const float *xs = xsum + m * groups;
-        if (mr == 8)
-            tile_rows8(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
-        else if (mr == 4)
-            tile_rows4(tile, sz, row0, xm, ldx, K, groups, xs, out, GS, USE_LUT, lut, lut_lo);
-        else if (nt == 2)
-            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 2, 1, GS,
-                       USE_LUT, lut, lut_lo);
-        else if (mr == 2)
-            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 2, GS,
-                       USE_LUT, lut, lut_lo);
-        else
-            tiles_rows(tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, 1, 1, GS,
-                       USE_LUT, lut, lut_lo);
+        const RowPath *paths = row_paths(GS, USE_LUT);
+        const int which = mr == 8 ? 0 : mr == 4 ? 1 : nt == 2 ? 2 : mr == 2 ? 3 : 4;
+        paths[which](tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, lut, lut_lo);
         /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
         for (int64_t i = 0; i < nt; i++) {
             const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
