@@ -86,43 +86,75 @@ static inline __attribute__((always_inline)) void column8_u(const uint8_t *hcol,
     }
 }
 
-/* the columns of one group: column8, or (FUSED: a two-plane weight with fp16 scales, planes
- * read together; lcols: plane L's columns) column8_u */
-static inline __attribute__((always_inline)) void group_column(
-    const uint8_t *gcols, const uint8_t *lcols, int k, __m256 w[8], const int FUSED,
-    const int USE_LUT, __m256 lut0, __m256 lut1) {
-    if (FUSED)
-        column8_u(gcols + k * 32, lcols + k * 32, w);
-    else
-        column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+/* Half HALF of column k of a 64-row tile (rows 32 HALF + 8i .. +7: w[i], fp32): the low
+ * nibbles of its 32 bytes (rows 0-31) or the high ones; or (FUSED: a two-plane weight with
+ * fp16 scales, planes read together; lcols: plane L's columns) u = 16 h + l = q + 128 */
+static inline __attribute__((always_inline)) void half_column(
+    const uint8_t *gcols, const uint8_t *lcols, int k, const int HALF, __m256 w[4],
+    const int FUSED, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    if (FUSED) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(gcols + k * 32));
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(lcols + k * 32));
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        const __m256i u =
+            HALF ? _mm256_or_si256(_mm256_andnot_si256(low4, h),
+                                   _mm256_and_si256(_mm256_srli_epi16(l, 4), low4))
+                 : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, low4), 4),
+                                   _mm256_and_si256(l, low4));
+        const __m128i a = _mm256_castsi256_si128(u), b = _mm256_extracti128_si256(u, 1);
+        const __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
+        for (int q = 0; q < 4; q++) w[q] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[q]));
+        return;
+    }
+    const uint8_t *col = gcols + k * 32;
+    for (int q = 0; q < 4; q++) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 8 * q)));
+        const __m256i c = HALF ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F));
+        w[q] = code_values(c, USE_LUT, lut0, lut1);
+    }
 }
 
-/* y (fp32 [64], running) += group g of one 64-row tile for one row of x: a in registers,
- * columns decoded on the fly (wbuf NULL) or read from wbuf (fp32 [GS][64], the same values) */
+/* y (fp32 [64], running) += group g of one 64-row tile for one row of x. wbuf NULL: columns
+ * decoded on the fly, half a tile at a time (4 sums in registers: 8 and their weights did not
+ * fit AVX2's 16 registers); else read from wbuf (fp32 [GS][64], the same values), 8 sums at
+ * a time. Each sum runs over the columns in order either way. */
 static inline __attribute__((always_inline)) void group_row(
     const uint8_t *gcols, const uint8_t *lcols, const float *wbuf, const uint16_t *xg,
     const __m256 sc[8], const __m256 zz[8], float sx, float *y, const int GS, const int FUSED,
     const int USE_LUT, __m256 lut0, __m256 lut1) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int k = 0; k < GS; k++) {
-        uint32_t bits = (uint32_t)xg[k] << 16;
-        float xf;
-        __builtin_memcpy(&xf, &bits, 4);
-        const __m256 xk = _mm256_set1_ps(xf);
-        if (wbuf) {
-            for (int i = 0; i < 8; i++)
-                a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
-        } else {
-            __m256 w[8];
-            group_column(gcols, lcols, k, w, FUSED, USE_LUT, lut0, lut1);
-            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
-        }
-    }
     const __m256 sxv = _mm256_set1_ps(sx);
-    for (int i = 0; i < 8; i++) {
-        __m256 v = _mm256_fmadd_ps(sc[i], a[i], _mm256_loadu_ps(y + 8 * i));
-        _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(zz[i], sxv, v));
+    float xf[32]; /* the group's x in fp32 (exact), for the on-the-fly passes */
+    for (int k = 0; k < GS && !wbuf; k++) {
+        const uint32_t bits = (uint32_t)xg[k] << 16;
+        __builtin_memcpy(&xf[k], &bits, 4);
+    }
+    const int per = wbuf ? 8 : 4; /* 8-row blocks per pass */
+    for (int r0 = 0; r0 < 8; r0 += per) {
+        __m256 a[8];
+        for (int i = 0; i < per; i++) a[i] = _mm256_setzero_ps();
+        for (int k = 0; k < GS; k++) {
+            if (wbuf) { /* x widened here: a broadcast from memory beside 8 loads was slower */
+                uint32_t bits = (uint32_t)xg[k] << 16;
+                float xv;
+                __builtin_memcpy(&xv, &bits, 4);
+                const __m256 xk = _mm256_set1_ps(xv);
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
+                continue;
+            }
+            const __m256 xk = _mm256_broadcast_ss(&xf[k]);
+            __m256 w[4];
+            if (r0)
+                half_column(gcols, lcols, k, 1, w, FUSED, USE_LUT, lut0, lut1);
+            else
+                half_column(gcols, lcols, k, 0, w, FUSED, USE_LUT, lut0, lut1);
+            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
+        }
+        for (int i = 0; i < per; i++) {
+            const int r = r0 + i;
+            __m256 v = _mm256_fmadd_ps(sc[r], a[i], _mm256_loadu_ps(y + 8 * r));
+            _mm256_storeu_ps(y + 8 * r, _mm256_fmadd_ps(zz[r], sxv, v));
+        }
     }
 }
 
@@ -168,7 +200,10 @@ static inline __attribute__((always_inline)) void tile8(
             }
             for (int k = 0; k < GS; k++) {
                 __m256 w[8];
-                group_column(gcols, lcols, k, w, FUSED, USE_LUT, lut0, lut1);
+                if (FUSED)
+                    column8_u(gcols + k * 32, lcols + k * 32, w);
+                else
+                    column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
                 for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
             }
             for (int64_t m = 0; m < mc; m++)
