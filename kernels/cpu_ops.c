@@ -22,7 +22,7 @@
  * (the residual stream: one call for `h = x + h; y = norm(h)`). */
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rows >= 4)
     for (int64_t t = 0; t < rows; t++) {
         const uint16_t *xr = x + t * ldx;
         uint16_t *rr = res ? res + t * ldr : NULL;
@@ -51,7 +51,7 @@ void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const 
  * stride ld), as `F.silu(gate) * up` rounds. out: bf16 [rows][inter], contiguous. */
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rows >= 2)
     for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
 }
 
