@@ -135,8 +135,6 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
  * Returns -1, computing nothing, if a context length or block number is out of range; -2 out
  * of memory. */
 #define MAX_GROUP 16
-#define ATTN_SPLITS 8
-#define ATTN_UNIT 512 /* positions: a chunk is a multiple of this (or of the block size) */
 
 /* lane i of the result = the sum of the 16 lanes of v[i] */
 static inline __m512 sum_lanes16(__m512 v[16]) {
@@ -153,15 +151,6 @@ static inline __m512 sum_lanes16(__m512 v[16]) {
                                      _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88),
                          _mm512_shuffle_f32x4(f01, f23, 0xDD));
-}
-
-/* the chunks of a context of n positions: count, and positions per chunk (*len) */
-static inline int64_t attn_chunks(int64_t n, int64_t block_size, int64_t *len) {
-    const int64_t unit = block_size > ATTN_UNIT ? block_size : ATTN_UNIT;
-    const int64_t units = (n + unit - 1) / unit;
-    const int64_t per = (units + ATTN_SPLITS - 1) / ATTN_SPLITS;
-    *len = per * unit;
-    return (units + per - 1) / per;
 }
 
 /* bf16 out[0..16 nv) = acc * inv */
@@ -294,61 +283,27 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
     if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
     const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
     if (work < 0) return -1;
-    /* chunk c of all sequences' chunks -> its sequence: first[b] = b's first chunk */
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!first) return -2;
-    first[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t len;
-        first[b + 1] = first[b] + attn_chunks(ctx[b], block_size, &len);
-    }
-    const int64_t chunks = first[B];
-    /* the partial results of sequences of more than one chunk */
-    const size_t part_floats = (size_t)(chunks * num_kv_heads * group * stride);
-    float *parts = chunks > B ? malloc(sizeof(float) * part_floats) : NULL;
-    if (chunks > B && !parts) {
-        free(first);
-        return -2;
-    }
+    int64_t *first;
+    float *parts;
+    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
+    if (chunks < 0) return -2;
 #pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
     for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
         const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
-        int64_t b = 0;
-        while (first[b + 1] <= chunk) b++;
-        int64_t len;
-        attn_chunks(ctx[b], block_size, &len);
-        const int64_t p0 = (chunk - first[b]) * len;
-        const int64_t p1 = p0 + len < ctx[b] ? p0 + len : ctx[b];
+        int64_t p0, p1;
+        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
         const int whole = first[b + 1] - first[b] == 1;
         attn_chunk(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0,
                    p1, kh, group, head_dim, row, block_size, scale,
-                   whole ? NULL : parts + (chunk * num_kv_heads + kh) * group * stride,
+                   whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
                    whole ? out + b * ldo + kh * group * head_dim : NULL);
     }
-    /* out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) den_c over a sequence's chunks */
-    for (int64_t b = 0; b < B; b++) {
-        if (first[b + 1] - first[b] == 1) continue;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const int64_t at = (h / group) * group + h % group; /* (kh, g) within a chunk */
-            float M = -INFINITY, den = 0.0f;
-            for (int64_t c = first[b]; c < first[b + 1]; c++) {
-                const float mc = parts[(c * num_kv_heads * group + at) * stride];
-                M = mc > M ? mc : M;
-            }
+    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
+        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
             float acc[256] __attribute__((aligned(64)));
-            memset(acc, 0, sizeof(float) * (size_t)head_dim);
-            for (int64_t c = first[b]; c < first[b + 1]; c++) {
-                const float *pc = parts + (c * num_kv_heads * group + at) * stride;
-                const float w = expf(pc[0] - M);
-                den += w * pc[1];
-                for (int64_t j = 0; j < nv; j++)
-                    _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_set1_ps(w),
-                                                                  _mm512_loadu_ps(pc + 2 + 16 * j),
-                                                                  _mm512_load_ps(acc + 16 * j)));
-            }
-            attn_write(out + b * ldo + h * head_dim, acc, 1.0f / den, nv);
+            const float inv = attn_merge(parts, first, b, h, num_heads, head_dim, acc);
+            attn_write(out + b * ldo + h * head_dim, acc, inv, nv);
         }
-    }
     free(first);
     free(parts);
     return 0;

@@ -100,86 +100,127 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
 
 #define MAX_GROUP 16
 #define MAX_VECS 32 /* head_dim <= 256 */
+/* One task: positions [p0, p1) of a sequence (block table `table`) for KV head kh and its
+ * `group` query heads qh (bf16 [group][head_dim]): into out_part (fp32 [group][2 +
+ * head_dim]: max, denominator, unnormalized sum of V), or, with `out` (the sequence is one
+ * chunk), normalized into out (bf16 [group][head_dim]). */
+static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
+                       const int64_t *table, int64_t p0, int64_t p1, int64_t kh, int64_t group,
+                       int64_t head_dim, int64_t row, int64_t block_size, float scale,
+                       float *out_part, uint16_t *out) {
+    const int64_t nv = head_dim / 8;
+    __m256 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    float mx[MAX_GROUP], den[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t j = 0; j < nv; j++) {
+            qv[g][j] = _mm256_mul_ps(load8_bf16(qh + g * head_dim + 8 * j), _mm256_set1_ps(scale));
+            acc[g][j] = _mm256_setzero_ps();
+        }
+        mx[g] = -INFINITY;
+        den[g] = 0.0f;
+    }
+    float sc[MAX_GROUP][64] __attribute__((aligned(32)));
+    for (int64_t start = p0; start < p1; start += block_size) {
+        const int64_t blk = table[start / block_size];
+        const int64_t n = p1 - start < block_size ? p1 - start : block_size;
+        if (start + n < p1) /* blocks are scattered: the hardware cannot prefetch the next */
+            prefetch_block(kpool, vpool, table[start / block_size + 1],
+                           p1 - start - n < block_size ? p1 - start - n : block_size,
+                           block_size, row, kh * head_dim, head_dim);
+        for (int64_t c0 = 0; c0 < n; c0 += 64) {
+            const int64_t cn = n - c0 < 64 ? n - c0 : 64;
+            const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
+            const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
+            for (int64_t p = 0; p < cn; p++) {
+                __m256 kv[MAX_VECS];
+                for (int64_t j = 0; j < nv; j++) kv[j] = load8_bf16(kb + p * row + 8 * j);
+                for (int64_t g = 0; g < group; g++) {
+                    __m256 d = _mm256_mul_ps(qv[g][0], kv[0]);
+                    for (int64_t j = 1; j < nv; j++) d = _mm256_fmadd_ps(qv[g][j], kv[j], d);
+                    sc[g][p] = hsum8(d);
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float m = mx[g];
+                for (int64_t p = 0; p < cn; p++) m = sc[g][p] > m ? sc[g][p] : m;
+                const float corr = expf(mx[g] - m);
+                mx[g] = m;
+                den[g] *= corr;
+                for (int64_t j = 0; j < nv; j++)
+                    acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(corr));
+                for (int64_t p = 0; p < cn; p += 8) {
+                    const __m256i mk = lanes_n(cn - p);
+                    const __m256 e = _mm256_and_ps(
+                        exp256(_mm256_sub_ps(_mm256_maskload_ps(sc[g] + p, mk),
+                                             _mm256_set1_ps(m))),
+                        _mm256_castsi256_ps(mk));
+                    _mm256_maskstore_ps(sc[g] + p, mk, e);
+                    den[g] += hsum8(e);
+                }
+            }
+            for (int64_t p = 0; p < cn; p++) {
+                __m256 vv[MAX_VECS];
+                for (int64_t j = 0; j < nv; j++) vv[j] = load8_bf16(vb + p * row + 8 * j);
+                for (int64_t g = 0; g < group; g++) {
+                    const __m256 pg = _mm256_set1_ps(sc[g][p]);
+                    for (int64_t j = 0; j < nv; j++)
+                        acc[g][j] = _mm256_fmadd_ps(pg, vv[j], acc[g][j]);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        if (out) {
+            const __m256 inv = _mm256_set1_ps(1.0f / den[g]);
+            for (int64_t j = 0; j < nv; j++)
+                store8_bf16(out + g * head_dim + 8 * j, _mm256_mul_ps(acc[g][j], inv));
+            continue;
+        }
+        float *pg = out_part + g * (2 + head_dim);
+        pg[0] = mx[g];
+        pg[1] = den[g];
+        for (int64_t j = 0; j < nv; j++) _mm256_storeu_ps(pg + 2 + 8 * j, acc[g][j]);
+    }
+}
+
+/* decode_attention of cpu_kernels.h: as the AVX-512 build (cpu_ops.c) splits the work, one
+ * task per KV head and chunk of a sequence (cpu_paged.h), each over its blocks of positions */
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                      uint16_t *out, int64_t ldo) {
     const int64_t group = num_heads / num_kv_heads, nv = head_dim / 8;
-    const int64_t row = num_kv_heads * head_dim;
+    const int64_t row = num_kv_heads * head_dim, stride = 2 + head_dim;
     if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
     const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
     if (work < 0) return -1;
+    int64_t *first;
+    float *parts;
+    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
+    if (chunks < 0) return -2;
 #pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
-    for (int64_t task = 0; task < B * num_kv_heads; task++) {
-        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
-        __m256 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
-        float mx[MAX_GROUP], den[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qh = q + b * ldq + (kh * group + g) * head_dim;
-            for (int64_t j = 0; j < nv; j++) {
-                qv[g][j] = _mm256_mul_ps(load8_bf16(qh + 8 * j), _mm256_set1_ps(scale));
-                acc[g][j] = _mm256_setzero_ps();
-            }
-            mx[g] = -INFINITY;
-            den[g] = 0.0f;
-        }
-        float sc[MAX_GROUP][64] __attribute__((aligned(32)));
-        for (int64_t start = 0; start < ctx[b]; start += block_size) {
-            const int64_t blk = tables[b * width + start / block_size];
-            const int64_t n = ctx[b] - start < block_size ? ctx[b] - start : block_size;
-            if (start + n < ctx[b]) /* blocks are scattered: the hardware cannot prefetch the next */
-                prefetch_block(kpool, vpool, tables[b * width + start / block_size + 1],
-                               ctx[b] - start - n < block_size ? ctx[b] - start - n : block_size,
-                               block_size, row, kh * head_dim, head_dim);
-            for (int64_t c0 = 0; c0 < n; c0 += 64) {
-                const int64_t cn = n - c0 < 64 ? n - c0 : 64;
-                const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
-                const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
-                for (int64_t p = 0; p < cn; p++) {
-                    __m256 kv[MAX_VECS];
-                    for (int64_t j = 0; j < nv; j++) kv[j] = load8_bf16(kb + p * row + 8 * j);
-                    for (int64_t g = 0; g < group; g++) {
-                        __m256 d = _mm256_mul_ps(qv[g][0], kv[0]);
-                        for (int64_t j = 1; j < nv; j++) d = _mm256_fmadd_ps(qv[g][j], kv[j], d);
-                        sc[g][p] = hsum8(d);
-                    }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    float m = mx[g];
-                    for (int64_t p = 0; p < cn; p++) m = sc[g][p] > m ? sc[g][p] : m;
-                    const float corr = expf(mx[g] - m);
-                    mx[g] = m;
-                    den[g] *= corr;
-                    for (int64_t j = 0; j < nv; j++)
-                        acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(corr));
-                    for (int64_t p = 0; p < cn; p += 8) {
-                        const __m256i mk = lanes_n(cn - p);
-                        const __m256 e = _mm256_and_ps(
-                            exp256(_mm256_sub_ps(_mm256_maskload_ps(sc[g] + p, mk),
-                                                 _mm256_set1_ps(m))),
-                            _mm256_castsi256_ps(mk));
-                        _mm256_maskstore_ps(sc[g] + p, mk, e);
-                        den[g] += hsum8(e);
-                    }
-                }
-                for (int64_t p = 0; p < cn; p++) {
-                    __m256 vv[MAX_VECS];
-                    for (int64_t j = 0; j < nv; j++) vv[j] = load8_bf16(vb + p * row + 8 * j);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m256 pg = _mm256_set1_ps(sc[g][p]);
-                        for (int64_t j = 0; j < nv; j++)
-                            acc[g][j] = _mm256_fmadd_ps(pg, vv[j], acc[g][j]);
-                    }
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            uint16_t *oh = out + b * ldo + (kh * group + g) * head_dim;
-            const __m256 inv = _mm256_set1_ps(1.0f / den[g]);
-            for (int64_t j = 0; j < nv; j++) store8_bf16(oh + 8 * j, _mm256_mul_ps(acc[g][j], inv));
-        }
+    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
+        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
+        int64_t p0, p1;
+        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
+        const int whole = first[b + 1] - first[b] == 1;
+        attn_chunk(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0,
+                   p1, kh, group, head_dim, row, block_size, scale,
+                   whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
+                   whole ? out + b * ldo + kh * group * head_dim : NULL);
     }
+    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
+        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
+            float acc[256] __attribute__((aligned(32)));
+            const __m256 inv = _mm256_set1_ps(attn_merge(parts, first, b, h, num_heads,
+                                                         head_dim, acc));
+            for (int64_t j = 0; j < nv; j++)
+                store8_bf16(out + b * ldo + h * head_dim + 8 * j,
+                            _mm256_mul_ps(_mm256_load_ps(acc + 8 * j), inv));
+        }
+    free(first);
+    free(parts);
     return 0;
 }
 

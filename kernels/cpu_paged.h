@@ -5,7 +5,83 @@
 #define LOCALLLM_CPU_PAGED_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A sequence longer than ATTN_UNIT positions is attended in up to ATTN_SPLITS chunks (whole
+ * units: how many, only its own length decides, so its result is the same in any batch), so
+ * that one long sequence keeps every core busy; the chunks' partial results are merged in
+ * order (attn_merge). */
+#define ATTN_SPLITS 8
+#define ATTN_UNIT 512 /* positions: a chunk is a multiple of this (or of the block size) */
+
+/* the chunks of a context of n positions: count, and positions per chunk (*len) */
+static inline int64_t attn_chunks(int64_t n, int64_t block_size, int64_t *len) {
+    const int64_t unit = block_size > ATTN_UNIT ? block_size : ATTN_UNIT;
+    const int64_t units = (n + unit - 1) / unit;
+    const int64_t per = (units + ATTN_SPLITS - 1) / ATTN_SPLITS;
+    *len = per * unit;
+    return (units + per - 1) / per;
+}
+
+/* The chunks of B sequences: first (malloc'd, [B + 1]): sequence b's chunks are first[b] ..
+ * first[b + 1] - 1; parts: malloc'd where a sequence has more than one chunk (else NULL),
+ * fp32 [chunks][num_heads][2 + head_dim], each head's (max, denominator, unnormalized sum of
+ * V) over its chunk. Returns the number of chunks; -2 out of memory. */
+static inline int64_t attn_plan(const int64_t *ctx, int64_t B, int64_t block_size,
+                                int64_t num_heads, int64_t head_dim, int64_t **first,
+                                float **parts) {
+    *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    *parts = NULL;
+    if (!*first) return -2;
+    (*first)[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len;
+        (*first)[b + 1] = (*first)[b] + attn_chunks(ctx[b], block_size, &len);
+    }
+    const int64_t chunks = (*first)[B];
+    if (chunks > B) {
+        *parts = malloc(sizeof(float) * (size_t)(chunks * num_heads * (2 + head_dim)));
+        if (!*parts) {
+            free(*first);
+            return -2;
+        }
+    }
+    return chunks;
+}
+
+/* Chunk `chunk` of the plan: its sequence (returned) and positions [*p0, *p1) */
+static inline int64_t attn_task(const int64_t *first, const int64_t *ctx, int64_t block_size,
+                                int64_t chunk, int64_t *p0, int64_t *p1) {
+    int64_t b = 0, len;
+    while (first[b + 1] <= chunk) b++;
+    attn_chunks(ctx[b], block_size, &len);
+    *p0 = (chunk - first[b]) * len;
+    *p1 = *p0 + len < ctx[b] ? *p0 + len : ctx[b];
+    return b;
+}
+
+/* Head h of sequence b merged over its chunks, in order: acc (fp32 [head_dim]) = sum_c
+ * e^(m_c - M) acc_c; returns 1 / sum_c e^(m_c - M) den_c (M: the largest m_c). */
+static inline float attn_merge(const float *parts, const int64_t *first, int64_t b, int64_t h,
+                               int64_t num_heads, int64_t head_dim, float *acc) {
+    const int64_t stride = 2 + head_dim;
+    float M = -INFINITY, den = 0.0f;
+    for (int64_t c = first[b]; c < first[b + 1]; c++) {
+        const float mc = parts[(c * num_heads + h) * stride];
+        M = mc > M ? mc : M;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)head_dim);
+    for (int64_t c = first[b]; c < first[b + 1]; c++) {
+        const float *pc = parts + (c * num_heads + h) * stride;
+        const float w = expf(pc[0] - M);
+        den += w * pc[1];
+        for (int64_t j = 0; j < head_dim; j++) acc[j] += w * pc[2 + j];
+    }
+    return 1.0f / den;
+}
 
 /* The positions of B sequences in all (sum of ctx), or -1 if a context length is below 1 or
  * beyond its table (tables: int64 [B][width]) or a block it uses is not in the pools. */
