@@ -206,10 +206,15 @@ def main() -> None:
         (f"decode, {args.sessions} sessions (aggregate)", f"{many:.1f} tok/s",
          f"ITL p50 {1e3 * percentile(itl_many, 50):.1f} ms"),
         (f"decode ratio {args.sessions}:1", f"{many / one:.2f}x", "target >= 4x"),
-        (f"TTFT, {len(base)}-token prompt cold", f"{1e3 * cold:.1f} ms", ""),
-        ("TTFT, same prefix cached", f"{1e3 * warm:.1f} ms",
-         f"{statistics.median(cached) if cached else 0:.0f} tokens reused"),
-        ("TTFT ratio cold:cached", f"{cold / warm:.1f}x", "target >= 10x"),
+    ]
+    if cold_t:  # not with --no-prefix
+        rows += [
+            (f"TTFT, {len(base)}-token prompt cold", f"{1e3 * cold:.1f} ms", ""),
+            ("TTFT, same prefix cached", f"{1e3 * warm:.1f} ms",
+             f"{statistics.median(cached):.0f} tokens reused"),
+            ("TTFT ratio cold:cached", f"{cold / warm:.1f}x", "target >= 10x"),
+        ]
+    rows += [
         ("KV utilization, peak while decoding", f"{100 * kv_peak:.1f} %",
          f"{snap.num_blocks} blocks"),
         ("prefix-cache hit rate (whole run)", f"{100 * snap.prefix_hit_rate:.1f} %",
