@@ -207,7 +207,7 @@ class LLMEngine:
         best = self.runner.backend.argmax(logits)
         if not torch.isfinite(logits.gather(1, best[:, None])).all():
             raise FloatingPointError("the model produced no finite logits")
-        tokens = self.sampler(logits, sampling)
+        tokens = self.sampler(logits, sampling, best)
         rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
         if rows:
             self._record_logprobs(logits, rows, sampling, tokens)

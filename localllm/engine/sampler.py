@@ -56,10 +56,11 @@ class Sampler:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        # logits: [num_seqs, vocab] fp32
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 best: torch.Tensor | None = None) -> list[int]:
+        # logits: [num_seqs, vocab] fp32; best: the rows' argmax when the caller has it
         if all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in requests):
-            return self.backend.argmax(logits).tolist()
+            return (self.backend.argmax(logits) if best is None else best).tolist()
         out: list[int] = []
         for row, req in zip(logits, requests):
             p = req.params
