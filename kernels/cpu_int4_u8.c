@@ -60,9 +60,9 @@ static inline __attribute__((always_inline)) void half_u(
     for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
     for (int kp = 0; kp < GS / 2; kp++) {
         const uint8_t *ph = tile + (g * GS + 2 * kp) * 32, *pl = ph + K * 32;
-        if (HALF == 0) {
-            _mm_prefetch((const char *)ph + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)pl + PREFETCH_BYTES, _MM_HINT_T0);
+        if (HALF == 0) { /* the same lines of the next tile */
+            _mm_prefetch((const char *)ph + 2 * K * 32, _MM_HINT_T0);
+            _mm_prefetch((const char *)pl + 2 * K * 32, _MM_HINT_T0);
         }
         __m512i w[2];
         u_pairs(_mm512_loadu_si512(ph), _mm512_loadu_si512(pl), HALF, w);
@@ -84,6 +84,61 @@ static inline __attribute__((always_inline)) void half_u(
             y = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]), y);
             _mm512_storeu_ps(o, y);
         }
+    }
+}
+
+/* Group g of NT (1 or 2) consecutive tiles for one row of x, both halves at once (4 NT
+ * independent sums, each line loaded once), added into out[i][64] (fp32): the same sums, in
+ * the same order, as half_u. */
+static inline __attribute__((always_inline)) void group_u1(
+    const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0, const uint16_t *x,
+    int64_t K, int64_t g, int64_t groups, const float *xsum, float *out, const int NT,
+    const int GS) {
+    __m512 a[2][4];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
+    for (int kp = 0; kp < GS / 2; kp++) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + g * GS + 2 * kp, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int i = 0; i < NT; i++) {
+            const uint8_t *ph = tile + i * tile_bytes + (g * GS + 2 * kp) * 32, *pl = ph + K * 32;
+            _mm_prefetch((const char *)ph + NT * tile_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)pl + NT * tile_bytes, _MM_HINT_T0);
+            const __m512i h = _mm512_loadu_si512(ph), l = _mm512_loadu_si512(pl);
+            __m512i w[4];
+            u_pairs(h, l, 0, w);
+            u_pairs(h, l, 1, w + 2);
+            for (int r = 0; r < 4; r++) a[i][r] = _mm512_dpbf16_ps(a[i][r], (__m512bh)w[r], xb);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < 4; r++) {
+            const int64_t row = row0 + i * TILE + 16 * r;
+            const __m512 s = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(sz->p + g * sz->n_pad + row)));
+            const __m512 zz = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+            float *o = out + i * TILE + 16 * r;
+            __m512 y = _mm512_fmadd_ps(s, a[i][r], _mm512_loadu_ps(o));
+            y = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[g]), y);
+            _mm512_storeu_ps(o, y);
+        }
+}
+
+/* NT (1 or 2) consecutive tiles for one row of x -> out[i][64] (fp32) */
+static inline __attribute__((always_inline)) void tiles_u1(
+    const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0, const uint16_t *x,
+    int64_t K, int64_t groups, const float *xsum, float *out, const int NT, const int GS) {
+    for (int i = 0; i < NT * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+    for (int64_t g = 0; g < K / GS; g++) {
+        if ((g + PREFETCH_GROUPS) * GS < K)
+            for (int i = 0; i < NT; i++) {
+                const char *ps =
+                    (const char *)(sz->p + (g + PREFETCH_GROUPS) * sz->n_pad + row0 + i * TILE);
+                _mm_prefetch(ps, _MM_HINT_T0);
+                _mm_prefetch(ps + 64, _MM_HINT_T0);
+            }
+        group_u1(tile, tile_bytes, sz, row0, x, K, g, groups, xsum, out, NT, GS);
     }
 }
 
@@ -113,7 +168,23 @@ static inline __attribute__((always_inline)) void tile_loop_u(
     {
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
         float out[8 * TILE];
-        for (int64_t t = tiles * id / nth; t < tiles * (id + 1) / nth; t++) {
+        const int64_t t_end = tiles * (id + 1) / nth;
+        for (int64_t t = tiles * id / nth; t < t_end && M == 1; t += 2) {
+            /* one row: tiles two at a time (8 independent sums hide the products' latency) */
+            const int64_t nt = t_end - t < 2 ? t_end - t : 2;
+            if (nt == 2)
+                tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
+                         out, 2, GS);
+            else
+                tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
+                         out, 1, GS);
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t r = 0; r < rows; r += 16)
+                    store_floats_bf16(out + i * TILE + r, y + n0 + r, rows - r);
+            }
+        }
+        for (int64_t t = tiles * id / nth; t < t_end && M > 1; t++) {
             const uint8_t *tile = packed + t * tile_bytes;
             const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
             for (int64_t m = 0; m < M;) {
