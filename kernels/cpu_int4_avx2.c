@@ -5,9 +5,6 @@
  * x (bf16, widened exactly) multiplies it in fp32 FMAs. Per group of gs columns, with
  * a = sum_k x[k] c[n, k] and sx = sum of x:
  *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sx         (codebooks: s a + z sx)
- * A grouped int8 weight with the file's fp16 scales (Q8_0: two planes, q = 16 h + l) reads
- * both planes of a column at once: u = 16 h + l = q + 128, one fp32 conversion and one FMA per
- * weight, then s a - 128 s sx (a = sum_k x[k] u[n, k]).
  * Every output row n of every row m of x is summed in one order: a from 0 over the group's
  * columns in order, then y = fma(s, a, y), y = fma(zz, sx, y), group by group; whatever M
  * is, so a row gets bitwise the same result alone or in a batch. For M > 1 each group's
@@ -66,95 +63,32 @@ static inline __attribute__((always_inline)) void column8(const uint8_t *col, __
     }
 }
 
-/* Column k of a two-plane weight (grouped int8 split as q = 16 h + l; hcol, lcol: the
- * column's 32 bytes in plane H and plane L) -> w[i], rows 8i..8i+7: u = 16 h + l = q + 128 in
- * fp32, one conversion per weight where the planes apart took two. */
-static inline __attribute__((always_inline)) void column8_u(const uint8_t *hcol,
-                                                            const uint8_t *lcol, __m256 w[8]) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)hcol);
-    const __m256i l = _mm256_loadu_si256((const __m256i *)lcol);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    /* rows 0-31 (the low nibbles), then rows 32-63 */
-    const __m256i u[2] = {
-        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, low4), 4), _mm256_and_si256(l, low4)),
-        _mm256_or_si256(_mm256_andnot_si256(low4, h), _mm256_and_si256(_mm256_srli_epi16(l, 4), low4))};
-    for (int r = 0; r < 2; r++) {
-        const __m128i a = _mm256_castsi256_si128(u[r]), b = _mm256_extracti128_si256(u[r], 1);
-        const __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
-        for (int q = 0; q < 4; q++)
-            w[4 * r + q] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[q]));
-    }
-}
-
-/* Half HALF of column k of a 64-row tile (rows 32 HALF + 8i .. +7: w[i], fp32): the low
- * nibbles of its 32 bytes (rows 0-31) or the high ones; or (FUSED: a two-plane weight with
- * fp16 scales, planes read together; lcols: plane L's columns) u = 16 h + l = q + 128 */
-static inline __attribute__((always_inline)) void half_column(
-    const uint8_t *gcols, const uint8_t *lcols, int k, const int HALF, __m256 w[4],
-    const int FUSED, const int USE_LUT, __m256 lut0, __m256 lut1) {
-    if (FUSED) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(gcols + k * 32));
-        const __m256i l = _mm256_loadu_si256((const __m256i *)(lcols + k * 32));
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        const __m256i u =
-            HALF ? _mm256_or_si256(_mm256_andnot_si256(low4, h),
-                                   _mm256_and_si256(_mm256_srli_epi16(l, 4), low4))
-                 : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, low4), 4),
-                                   _mm256_and_si256(l, low4));
-        const __m128i a = _mm256_castsi256_si128(u), b = _mm256_extracti128_si256(u, 1);
-        const __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
-        for (int q = 0; q < 4; q++) w[q] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[q]));
-        return;
-    }
-    const uint8_t *col = gcols + k * 32;
-    for (int q = 0; q < 4; q++) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 8 * q)));
-        const __m256i c = HALF ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F));
-        w[q] = code_values(c, USE_LUT, lut0, lut1);
-    }
-}
-
-/* y (fp32 [64], running) += group g of one 64-row tile for one row of x. wbuf NULL: columns
- * decoded on the fly, half a tile at a time (4 sums in registers: 8 and their weights did not
- * fit AVX2's 16 registers); else read from wbuf (fp32 [GS][64], the same values), 8 sums at
- * a time. Each sum runs over the columns in order either way. */
+/* y (fp32 [64], running) += group g of one 64-row tile for one row of x: a in registers,
+ * columns decoded on the fly (wbuf NULL) or read from wbuf (fp32 [GS][64], the same values) */
 static inline __attribute__((always_inline)) void group_row(
-    const uint8_t *gcols, const uint8_t *lcols, const float *wbuf, const uint16_t *xg,
-    const __m256 sc[8], const __m256 zz[8], float sx, float *y, const int GS, const int FUSED,
-    const int USE_LUT, __m256 lut0, __m256 lut1) {
-    const __m256 sxv = _mm256_set1_ps(sx);
-    float xf[32]; /* the group's x in fp32 (exact), for the on-the-fly passes */
-    for (int k = 0; k < GS && !wbuf; k++) {
-        const uint32_t bits = (uint32_t)xg[k] << 16;
-        __builtin_memcpy(&xf[k], &bits, 4);
+    const uint8_t *gcols, const float *wbuf, const uint16_t *xg, const __m256 sc[8],
+    const __m256 zz[8], float sx, float *y, const int GS, const int USE_LUT, __m256 lut0,
+    __m256 lut1) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int k = 0; k < GS; k++) {
+        uint32_t bits = (uint32_t)xg[k] << 16;
+        float xf;
+        __builtin_memcpy(&xf, &bits, 4);
+        const __m256 xk = _mm256_set1_ps(xf);
+        if (wbuf) {
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
+        } else {
+            __m256 w[8];
+            column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
+        }
     }
-    const int per = wbuf ? 8 : 4; /* 8-row blocks per pass */
-    for (int r0 = 0; r0 < 8; r0 += per) {
-        __m256 a[8];
-        for (int i = 0; i < per; i++) a[i] = _mm256_setzero_ps();
-        for (int k = 0; k < GS; k++) {
-            if (wbuf) { /* x widened here: a broadcast from memory beside 8 loads was slower */
-                uint32_t bits = (uint32_t)xg[k] << 16;
-                float xv;
-                __builtin_memcpy(&xv, &bits, 4);
-                const __m256 xk = _mm256_set1_ps(xv);
-                for (int i = 0; i < 8; i++)
-                    a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
-                continue;
-            }
-            const __m256 xk = _mm256_broadcast_ss(&xf[k]);
-            __m256 w[4];
-            if (r0)
-                half_column(gcols, lcols, k, 1, w, FUSED, USE_LUT, lut0, lut1);
-            else
-                half_column(gcols, lcols, k, 0, w, FUSED, USE_LUT, lut0, lut1);
-            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
-        }
-        for (int i = 0; i < per; i++) {
-            const int r = r0 + i;
-            __m256 v = _mm256_fmadd_ps(sc[r], a[i], _mm256_loadu_ps(y + 8 * r));
-            _mm256_storeu_ps(y + 8 * r, _mm256_fmadd_ps(zz[r], sxv, v));
-        }
+    const __m256 sxv = _mm256_set1_ps(sx);
+    for (int i = 0; i < 8; i++) {
+        __m256 v = _mm256_fmadd_ps(sc[i], a[i], _mm256_loadu_ps(y + 8 * i));
+        _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(zz[i], sxv, v));
     }
 }
 
@@ -164,10 +98,8 @@ static inline __attribute__((always_inline)) void group_row(
 static inline __attribute__((always_inline)) void tile8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
-    int64_t t, const int GS, const int FUSED, const int USE_LUT, __m256 lut0, __m256 lut1) {
-    /* FUSED (two planes, fp16 scales s): per group, a = sum x u with u = q + 128 from both
-     * planes at once, then s a - 128 s sx */
-    const int64_t groups = K2 / GS, tile_bytes = K2 * 32, steps = FUSED ? K / GS : groups;
+    int64_t t, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
     const float bias = USE_LUT ? 0.0f : 8.0f;
     float wbuf[32 * TILE] __attribute__((aligned(32)));
     float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64] running sums */
@@ -175,40 +107,28 @@ static inline __attribute__((always_inline)) void tile8(
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
         const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
         for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
-        for (int64_t g = 0; g < steps; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             __m256 sc[8], zz[8];
-            for (int i = 0; i < 8; i++) {
-                if (FUSED) { /* the file's fp16 scale s; zero term -128 s */
-                    const uint16_t *hp = sz->p + g * sz->n_pad + t * TILE + 8 * i;
-                    sc[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hp));
-                    zz[i] = _mm256_mul_ps(sc[i], _mm256_set1_ps(-128.0f));
-                } else {
-                    sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
-                }
-            }
-            const uint8_t *gcols = tile + g * GS * 32, *lcols = gcols + K * 32;
-            for (int l = 0; l < GS * 32; l += 64) {
+            for (int i = 0; i < 8; i++)
+                sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
+            const uint8_t *gcols = tile + g * GS * 32;
+            for (int l = 0; l < GS * 32; l += 64)
                 _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, _MM_HINT_T0);
-                if (FUSED) _mm_prefetch((const char *)lcols + PREFETCH_BYTES + l, _MM_HINT_T0);
-            }
             const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
             const float *xs = xsum + m0 * groups + g;
             if (mc == 1) {
-                group_row(gcols, lcols, NULL, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, FUSED,
-                          USE_LUT, lut0, lut1);
+                group_row(gcols, NULL, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT,
+                          lut0, lut1);
                 continue;
             }
             for (int k = 0; k < GS; k++) {
                 __m256 w[8];
-                if (FUSED)
-                    column8_u(gcols + k * 32, lcols + k * 32, w);
-                else
-                    column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+                column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
                 for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
             }
             for (int64_t m = 0; m < mc; m++)
-                group_row(gcols, lcols, wbuf, x + (m0 + m) * ldx + kx, sc, zz, xs[m * groups],
-                          out + m * TILE, GS, FUSED, USE_LUT, lut0, lut1);
+                group_row(gcols, wbuf, x + (m0 + m) * ldx + kx, sc, zz, xs[m * groups],
+                          out + m * TILE, GS, USE_LUT, lut0, lut1);
         }
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
         for (int64_t m = 0; m < mc; m++)
@@ -232,24 +152,18 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     }
-    /* a grouped int8 weight with the file's fp16 scales (Q8_0): both planes in one pass */
-    const int fused = planes == 2 && half_scales && !lut;
     /* NOTE: the group size and codebook switch inside the parallel loop, so that each
      * inlined copy of tile8 is compiled with them as constants */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n_pad / TILE; t++) {
-        if (fused && gs == 32)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, 0, lut0, lut1);
-        else if (fused)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, 0, lut0, lut1);
-        else if (gs == 32 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, 0, lut0, lut1);
+        if (gs == 32 && !lut)
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
         else if (gs == 16 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, 0, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
         else if (gs == 32)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, 1, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
         else
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, 1, lut0, lut1);
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
     }
     free(xsum);
     return 0;
