@@ -160,12 +160,9 @@ static inline void attn_write(uint16_t *out, const float *acc, float inv, int64_
                    0xFFFF);
 }
 
-/* One task: positions [p0, p1) of sequence b (block table `table`) for KV head kh and its
- * `group` query heads qh (bf16 [group][head_dim]); out_part: fp32 [group][2 + head_dim], (max,
- * denominator, unnormalized weighted sum of V) of each query head; or, with `out` (the
- * sequence is one chunk), the normalized result in out (bf16 [group][head_dim]). Positions go
- * SPAN at a time (across blocks): the softmax's serial steps (max, exponentials, sums) then
- * cover SPAN positions at once. */
+/* One task of decode attention (`AttnChunk`, cpu_paged.h). Positions go SPAN at a time
+ * (across blocks): the softmax's serial steps (max, exponentials, sums) then cover SPAN
+ * positions at once. */
 #define SPAN 64
 #define AHEAD 32 /* positions (64 slowed 8 streams of 300 positions by 5%) */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
@@ -273,40 +270,18 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     memcpy(out_part, part, sizeof(float) * (size_t)(group * stride));
 }
 
+static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_dim) {
+    attn_write(out, acc, inv, head_dim / 16);
+}
+
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                      uint16_t *out, int64_t ldo) {
-    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
-    const int64_t stride = 2 + head_dim, nv = head_dim / 16;
-    if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
-    const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
-    if (work < 0) return -1;
-    int64_t *first;
-    float *parts;
-    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
-    if (chunks < 0) return -2;
-#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
-    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
-        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
-        int64_t p0, p1;
-        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
-        const int whole = first[b + 1] - first[b] == 1;
-        attn_chunk(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0,
-                   p1, kh, group, head_dim, row, block_size, scale,
-                   whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
-                   whole ? out + b * ldo + kh * group * head_dim : NULL);
-    }
-    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
-        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
-            float acc[256] __attribute__((aligned(64)));
-            const float inv = attn_merge(parts, first, b, h, num_heads, head_dim, acc);
-            attn_write(out + b * ldo + h * head_dim, acc, inv, nv);
-        }
-    free(first);
-    free(parts);
-    return 0;
+    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                                  ldo, MAX_GROUP, attn_chunk, attn_store);
 }
 
 /* Indices of the k largest values of each row of x (fp32 [rows][n], stride ldx), largest

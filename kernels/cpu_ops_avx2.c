@@ -100,10 +100,8 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
 
 #define MAX_GROUP 16
 #define MAX_VECS 32 /* head_dim <= 256 */
-/* One task: positions [p0, p1) of a sequence (block table `table`) for KV head kh and its
- * `group` query heads qh (bf16 [group][head_dim]): into out_part (fp32 [group][2 +
- * head_dim]: max, denominator, unnormalized sum of V), or, with `out` (the sequence is one
- * chunk), normalized into out (bf16 [group][head_dim]). */
+/* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
+ * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
                        const int64_t *table, int64_t p0, int64_t p1, int64_t kh, int64_t group,
                        int64_t head_dim, int64_t row, int64_t block_size, float scale,
@@ -183,45 +181,20 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     }
 }
 
-/* decode_attention of cpu_kernels.h: as the AVX-512 build (cpu_ops.c) splits the work, one
- * task per KV head and chunk of a sequence (cpu_paged.h), each over its blocks of positions */
+static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_dim) {
+    for (int64_t j = 0; j < head_dim; j += 8)
+        store8_bf16(out + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), _mm256_set1_ps(inv)));
+}
+
+/* decode_attention of cpu_kernels.h: the AVX-512 build's split of the work (cpu_paged.h) */
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                      uint16_t *out, int64_t ldo) {
-    const int64_t group = num_heads / num_kv_heads, nv = head_dim / 8;
-    const int64_t row = num_kv_heads * head_dim, stride = 2 + head_dim;
-    if (group > MAX_GROUP || head_dim % 16 || head_dim > 256) return -1;
-    const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
-    if (work < 0) return -1;
-    int64_t *first;
-    float *parts;
-    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
-    if (chunks < 0) return -2;
-#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
-    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
-        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
-        int64_t p0, p1;
-        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
-        const int whole = first[b + 1] - first[b] == 1;
-        attn_chunk(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0,
-                   p1, kh, group, head_dim, row, block_size, scale,
-                   whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
-                   whole ? out + b * ldo + kh * group * head_dim : NULL);
-    }
-    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
-        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
-            float acc[256] __attribute__((aligned(32)));
-            const __m256 inv = _mm256_set1_ps(attn_merge(parts, first, b, h, num_heads,
-                                                         head_dim, acc));
-            for (int64_t j = 0; j < nv; j++)
-                store8_bf16(out + b * ldo + h * head_dim + 8 * j,
-                            _mm256_mul_ps(_mm256_load_ps(acc + 8 * j), inv));
-        }
-    free(first);
-    free(parts);
-    return 0;
+    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                                  ldo, MAX_GROUP, attn_chunk, attn_store);
 }
 
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx) {

@@ -122,4 +122,55 @@ static inline void prefetch_block(const uint16_t *kpool, const uint16_t *vpool, 
         prefetch_position(kpool, vpool, (blk * block_size + p) * row + at, head_dim);
 }
 
+/* One task of decode attention (each build's own, over its vector registers): positions
+ * [p0, p1) of a sequence (block table `table`) for KV head kh and its `group` query heads qh
+ * (bf16 [group][head_dim]), into out_part (fp32 [group][2 + head_dim]: max, denominator,
+ * unnormalized sum of V), or, with `out` (the sequence is one chunk), normalized into out
+ * (bf16 [group][head_dim]). */
+typedef void (*AttnChunk)(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
+                          const int64_t *table, int64_t p0, int64_t p1, int64_t kh,
+                          int64_t group, int64_t head_dim, int64_t row, int64_t block_size,
+                          float scale, float *out_part, uint16_t *out);
+/* bf16 out[0..head_dim) = acc * inv (each build's own rounding to bf16) */
+typedef void (*AttnStore)(uint16_t *out, const float *acc, float inv, int64_t head_dim);
+
+/* decode_attention (operands in cpu_kernels.h) with one build's task and store: one task per
+ * KV head and chunk of a sequence, shared by the threads; then the sequences of several
+ * chunks merged. max_group: the most query heads per KV head the task takes. */
+static inline int paged_decode_attention(
+    const uint16_t *q, int64_t ldq, const uint16_t *kpool, const uint16_t *vpool,
+    int64_t n_blocks, const int64_t *tables, int64_t width, const int64_t *ctx, int64_t B,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    uint16_t *out, int64_t ldo, int64_t max_group, AttnChunk chunk_fn, AttnStore store) {
+    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
+    const int64_t stride = 2 + head_dim;
+    if (group > max_group || head_dim % 16 || head_dim > 256) return -1;
+    const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
+    if (work < 0) return -1;
+    int64_t *first;
+    float *parts;
+    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
+    if (chunks < 0) return -2;
+#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
+    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
+        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
+        int64_t p0, p1;
+        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
+        const int whole = first[b + 1] - first[b] == 1;
+        chunk_fn(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0, p1,
+                 kh, group, head_dim, row, block_size, scale,
+                 whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
+                 whole ? out + b * ldo + kh * group * head_dim : NULL);
+    }
+    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
+        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
+            float acc[256] __attribute__((aligned(64)));
+            const float inv = attn_merge(parts, first, b, h, num_heads, head_dim, acc);
+            store(out + b * ldo + h * head_dim, acc, inv, head_dim);
+        }
+    free(first);
+    free(parts);
+    return 0;
+}
+
 #endif
