@@ -177,13 +177,18 @@ def int4_rows_half(packed: torch.Tensor, scales: torch.Tensor, planes: int,
     return out
 
 
-def int4_rows_half_ref(packed: torch.Tensor, scales: torch.Tensor, planes: int,
-                       ids: torch.Tensor) -> torch.Tensor:
+def packed_row_codes(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of rows `ids` of a packed weight, planes side by side: fp32 [T, K2]."""
     k2 = packed.shape[1] * 2
-    k = k2 // planes
     half_tile = TILE // 2
     b = packed.view(-1, k2, half_tile)[ids // TILE, :, ids % half_tile]  # [T, K2]
-    c = torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
+    return torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
+
+
+def int4_rows_half_ref(packed: torch.Tensor, scales: torch.Tensor, planes: int,
+                       ids: torch.Tensor) -> torch.Tensor:
+    k = packed.shape[1] * 2 // planes
+    c = packed_row_codes(packed, ids)
     q = (c[:, :k] - 8.0) * 16.0 + c[:, k:] if planes == 2 else c - 8.0
     gs = k // scales.shape[0]
     # the operation order of Int4Weight / Int8Weight.dequantize: scale * q

@@ -1,7 +1,7 @@
 /* int4_rows_half: whole rows of a packed weight with fp16 scales (Q8_0, Q4_0, Q5_0: `half` in
  * cpu_int4_groups.h), dequantized in fp32 exactly as the source format does (scale * q, one
- * rounding), for an LM head's refined logits and embedding lookups. Plain C (the compiler
- * vectorizes it), in both builds; layout in cpu_int4.h. */
+ * rounding), for an LM head's refined logits and embedding lookups. Plain C, in both builds;
+ * layout in cpu_int4.h. */
 #include <stdint.h>
 #include <string.h>
 

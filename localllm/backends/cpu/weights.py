@@ -227,21 +227,17 @@ class CpuPackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to
         the source format's `dequantize()` rows when built with `exact_rows` or half scales."""
-        if self.half and self.codebook is None:  # Q8_0, Q4_0, Q5_0: a native kernel
-            rows = (cpu_int4.int4_rows_half if cpu_native.available()
-                    else cpu_int4.int4_rows_half_ref)
-            return rows(self.packed, self.scales_zeros, self.planes, ids)
+        if self.half and self.codebook is None and cpu_native.available():  # Q8_0, Q4_0, Q5_0
+            return cpu_int4.int4_rows_half(self.packed, self.scales_zeros, self.planes, ids)
         t, k2 = len(ids), self.packed.shape[1] * 2
-        half_tile = TILE // 2
-        b = self.packed.view(-1, k2, half_tile)[ids // TILE, :, ids % half_tile]  # [T, K2]
-        c = torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
+        c = cpu_int4.packed_row_codes(self.packed, ids)  # [T, K2]
         gs = self.group_size
         if self.exact is None and not self.half:
             sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
             vals = c - 8.0 if self.codebook is None else self.codebook.float()[c.long()]
             w = (vals.view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
-        if self.half:  # a codebook with fp16 scales (IQ4_NL)
+        if self.half:
             scales, offsets = self.scales_zeros[:, ids].t(), None  # [T, in / gs]
         else:
             assert self.exact is not None
