@@ -15,7 +15,7 @@
 
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rows >= 4)
     for (int64_t t = 0; t < rows; t++) {
         const uint16_t *xr = x + t * ldx;
         uint16_t *rr = res ? res + t * ldr : NULL;
@@ -41,7 +41,7 @@ void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const 
 
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 32)
+#pragma omp parallel for schedule(static) if (rows >= 2)
     for (int64_t t = 0; t < rows; t++) silu_mul_row8(gate_up + t * ld, inter, out + t * ldo);
 }
 
