@@ -153,11 +153,10 @@ static inline __m512 sum_lanes16(__m512 v[16]) {
                          _mm512_shuffle_f32x4(f01, f23, 0xDD));
 }
 
-/* bf16 out[0..16 nv) = acc * inv */
-static inline void attn_write(uint16_t *out, const float *acc, float inv, int64_t nv) {
-    for (int64_t j = 0; j < nv; j++)
-        store_bf16(out + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(inv)),
-                   0xFFFF);
+/* bf16 out[0..head_dim) = acc * inv (`AttnStore`, cpu_paged.h) */
+static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_dim) {
+    for (int64_t j = 0; j < head_dim; j += 16)
+        store_bf16(out + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), _mm512_set1_ps(inv)), 0xFFFF);
 }
 
 /* One task of decode attention (`AttnChunk`, cpu_paged.h). Positions go SPAN at a time
@@ -263,15 +262,11 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     }
     if (out) { /* the whole sequence: normalized into its output rows */
         for (int64_t g = 0; g < group; g++)
-            attn_write(out + g * head_dim, part + g * stride + 2, 1.0f / part[g * stride + 1],
-                       nv);
+            attn_store(out + g * head_dim, part + g * stride + 2, 1.0f / part[g * stride + 1],
+                       head_dim);
         return;
     }
     memcpy(out_part, part, sizeof(float) * (size_t)(group * stride));
-}
-
-static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_dim) {
-    attn_write(out, acc, inv, head_dim / 16);
 }
 
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
