@@ -49,9 +49,9 @@ int int4_amx_enable(int on) {
  * group size. */
 static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales, int amx) {
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form, int amx) {
     if (gs != 32 && gs != 16) return -2;
-    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
     if (!xsum) return -1;
@@ -65,8 +65,8 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
 
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
-    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
+    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
               amx_enabled && M >= AMX_MIN_ROWS);
 }
 
@@ -74,7 +74,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
  * results must not depend on their batch) */
 int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
-    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales,
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
+    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
               amx_permitted);
 }

@@ -11,9 +11,10 @@
  * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
  * localllm/backends/cpu/packing.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
- * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row; or, for a
- * symmetric weight with fp16 scales (Q4_0, Q5_0, Q8_0, IQ4_NL), `half_scales` and sz is those
- * fp16 scales alone, [K / gs][n_pad], with the zeros implied (see `Scales` in cpu_int4_groups.h).
+ * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row, or those
+ * pairs tile by tile, [n_pad / 64][K2 / gs][64][2]; or, for a symmetric weight with fp16 scales
+ * (Q4_0, Q5_0, Q8_0, IQ4_NL), the fp16 scales alone, [K / gs][n_pad], with the zeros implied
+ * (`scales_form` says which: see `Scales` in cpu_int4_groups.h).
  * With two planes (grouped int8 split as q = 16 h + l), plane p reads x[k - p K].
  */
 #ifndef LOCALLLM_CPU_INT4_H
@@ -68,7 +69,7 @@ static inline __m512 codebook_f32(const uint16_t *lut) {
 /* where group g's values for row `row` begin (prefetching) */
 static inline const char *scales_at(const Scales *s, int64_t g, int64_t row) {
     if (s->half) return (const char *)(s->p + (g % s->plane_groups) * s->n_pad + row);
-    return (const char *)(s->p + (g * s->n_pad + row) * 2);
+    return (const char *)(s->p + pair_at(s, g, row));
 }
 
 /* Scale of rows row..row+15 in group g (g < K2 / gs), fp32; *zero_adj gets zero - bias * scale.
@@ -82,7 +83,7 @@ static inline __m512 group_scale(const Scales *s, int64_t g, int64_t row, float 
         sc = plane_h ? _mm512_mul_ps(h, _mm512_set1_ps(16.0f)) : h;
         zr = two && !plane_h ? _mm512_mul_ps(h, _mm512_set1_ps(8.0f)) : _mm512_setzero_ps();
     } else {
-        const __m512i v = _mm512_loadu_si512(s->p + (g * s->n_pad + row) * 2);
+        const __m512i v = _mm512_loadu_si512(s->p + pair_at(s, g, row));
         sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
         zr = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
     }

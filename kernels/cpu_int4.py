@@ -2,7 +2,8 @@
 
 Weights are in the packed layout of PyTorch's int4 CPU kernel (see
 `localllm/backends/cpu/packing.py`): uint8 [out_padded, planes * in / 2], with bf16 (scale,
-zero) pairs or the fp16 scales alone of a symmetric weight (`scales_layout`). Call
+zero) pairs (as PyTorch's kernel takes them, or tile by tile) or the fp16 scales alone of a
+symmetric weight (`scales_layout`). Call
 `cpu_native.available()` first; `int4_gemm` also needs `cpu_native.gemm_available()`.
 """
 
@@ -48,8 +49,9 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     codebook), whatever `amx_enabled` says.
 
     x: bf16 [M, in] with unit stride along `in`; packed: uint8 [out_padded, planes * in / 2];
-    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns,
-    or fp16 [in / gs, out_padded], the scales alone of a symmetric weight (`scales_layout`);
+    scales_zeros: bf16 [planes * in / gs, out_padded, 2] for groups of gs = 32 or 16 columns
+    (or those pairs tile by tile, `tile_scales`), or fp16 [in / gs, out_padded], the scales
+    alone of a symmetric weight (`scales_layout`);
     lut: None, or the `codebook_lut` of a codebook weight (weights v[c] s + z instead of
     (c - 8) s + z) -> bf16 [M, out_features]."""
     lib = cpu_native.library()
@@ -60,14 +62,14 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     fn = lib.int4_mm_tiles if tiles and cpu_native.gemm_available() else lib.int4_mm
     if m and fn(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scales_zeros.data_ptr(),
                 out_features, n_pad, planes, y.data_ptr(), out_features, layout[0],
-                _lut_ptr(lut), int(layout[1])):
+                _lut_ptr(lut), layout[1]):
         raise MemoryError("int4_mm: out of memory")
     return y
 
 
 def _matmul_operands(name: str, x: torch.Tensor, packed: torch.Tensor,
                      scales_zeros: torch.Tensor, out_features: int, planes: int,
-                     gated: bool = False) -> tuple[int, int, int, tuple[int, bool]]:
+                     gated: bool = False) -> tuple[int, int, int, tuple[int, int]]:
     """(rows, in, out_padded, scales_layout) of a packed matmul's operands, or a ValueError."""
     m, k = x.shape
     n_pad = packed.shape[0]
@@ -97,7 +99,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m and lib.int4_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
                            scales_zeros.data_ptr(), out_features, n_pad, planes, y.data_ptr(),
-                           n, layout[0], _lut_ptr(lut), int(layout[1]), int(gated)):
+                           n, layout[0], _lut_ptr(lut), layout[1], int(gated)):
         raise MemoryError("int4_gemm: out of memory")
     return y
 
@@ -111,20 +113,45 @@ def int4_gemm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
     return silu_mul_ref(y) if gated else y
 
 
+# the forms of a packed weight's scales (`scales_layout`; SCALES_* in cpu_int4_groups.h)
+PAIRS, HALF, TILED = 0, 1, 2
+
+
 def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
-                  ) -> tuple[int, bool] | None:
-    """(group size, half) of a packed weight's scales, or None when they fit neither form:
-    bf16 (scale, zero) pairs [K2 / gs, n_pad, 2] (half False), or the fp16 scales alone of a
-    symmetric weight, [K2 / planes / gs, n_pad] (half True: zeros implied, see cpu_int4.h)."""
+                  ) -> tuple[int, int] | None:
+    """(group size, form) of a packed weight's scales, or None when they fit no form:
+    PAIRS, bf16 (scale, zero) pairs [K2 / gs, n_pad, 2]; TILED, the same pairs tile by tile,
+    [n_pad / 64, K2 / gs, 64, 2] (`tile_scales`: what the native kernels read fastest); HALF,
+    the fp16 scales alone of a symmetric weight, [K2 / planes / gs, n_pad] (zeros implied, see
+    cpu_int4.h)."""
     half = scales.dtype == torch.float16
-    if not scales.is_contiguous() or scales.dim() != (2 if half else 3) or (
-            not half and (scales.dtype != torch.bfloat16 or scales.shape[2] != 2)):
+    form = HALF if half else TILED if scales.dim() == 4 else PAIRS
+    if not scales.is_contiguous() or scales.dim() != {PAIRS: 3, HALF: 2, TILED: 4}[form]:
         return None
-    groups, k = scales.shape[0], k2 // planes if half else k2
+    if not half and (scales.dtype != torch.bfloat16 or scales.shape[-1] != 2
+                     or (form == TILED and scales.shape[2] != TILE)):
+        return None
+    groups = scales.shape[1] if form == TILED else scales.shape[0]
+    rows = scales.shape[0] * TILE if form == TILED else scales.shape[1]
+    k = k2 // planes if half else k2
     gs = k // groups if groups and k % groups == 0 else 0
-    if gs not in GROUP_SIZES or scales.shape[1] != n_pad:
+    if gs not in GROUP_SIZES or rows != n_pad:
         return None
-    return gs, half
+    return gs, form
+
+
+def tile_scales(pairs: torch.Tensor) -> torch.Tensor:
+    """bf16 pairs [K2 / gs, n_pad, 2] -> the TILED form [n_pad / 64, K2 / gs, 64, 2]."""
+    g, n_pad = pairs.shape[0], pairs.shape[1]
+    return pairs.view(g, n_pad // TILE, TILE, 2).transpose(0, 1).contiguous()
+
+
+def untile_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The PAIRS form [K2 / gs, n_pad, 2] of PAIRS or TILED scales (a copy of TILED ones)."""
+    if scales.dim() != 4:
+        return scales
+    t, g = scales.shape[0], scales.shape[1]
+    return scales.transpose(0, 1).reshape(g, t * TILE, 2)
 
 
 def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int,
@@ -141,7 +168,7 @@ def int4_dequant_t(packed: torch.Tensor, scales_zeros: torch.Tensor, planes: int
     k = k2 // planes
     wt = torch.empty(k, n_pad, dtype=torch.bfloat16)
     lib.int4_dequant_t(packed.data_ptr(), scales_zeros.data_ptr(), k, n_pad, planes,
-                       wt.data_ptr(), layout[0], _lut_ptr(lut), int(layout[1]))
+                       wt.data_ptr(), layout[0], _lut_ptr(lut), layout[1])
     return wt
 
 
@@ -164,7 +191,7 @@ def int4_rows_half(packed: torch.Tensor, scales: torch.Tensor, planes: int,
     n_pad, k2 = packed.shape[0], packed.shape[1] * 2
     layout = scales_layout(scales, k2, planes, n_pad) if planes in (1, 2) else None
     if not (packed.dtype == torch.uint8 and packed.is_contiguous() and n_pad % TILE == 0
-            and layout is not None and layout[1] and scales.is_contiguous()
+            and layout is not None and layout[1] == HALF and scales.is_contiguous()
             and ids.dtype == torch.int64 and ids.dim() == 1):
         raise ValueError("int4_rows_half: bad operands")
     ids = ids.contiguous()
@@ -197,9 +224,9 @@ def int4_rows_half_ref(packed: torch.Tensor, scales: torch.Tensor, planes: int,
 
 def group_scales_zeros(scales_zeros: torch.Tensor, planes: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (scale, zero) [K2 / gs, n_pad] each of either scales form (`scales_layout`)."""
+    """fp32 (scale, zero) [K2 / gs, n_pad] each of any scales form (`scales_layout`)."""
     if scales_zeros.dtype != torch.float16:
-        sz = scales_zeros.float()
+        sz = untile_scales(scales_zeros).float()
         return sz[..., 0], sz[..., 1]
     s = scales_zeros.float()  # [K / gs, n_pad]
     if planes == 1:

@@ -186,10 +186,10 @@ static inline void store_block_row(float ct[4][AMX_ROWS][16], int64_t m, uint16_
  * first. Returns 0, -1 if out of memory, -2 for another group size. */
 int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
               int64_t gated) {
     if (gs != 32 && gs != 16) return -2;
-    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t inter = N / 2, units = gated ? inter / TILE : n_pad / TILE;
     int failed = 0;
 #pragma omp parallel

@@ -36,7 +36,7 @@ static inline __m256 group_scale8(const Scales *s, int64_t g, int64_t row, float
         sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
         zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
     } else {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(s->p + (g * s->n_pad + row) * 2));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(s->p + pair_at(s, g, row)));
         sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         zr = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
     }
@@ -141,9 +141,9 @@ static inline __attribute__((always_inline)) void tile8(
 /* int4_mm of cpu_kernels.h */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     if (gs != 32 && gs != 16) return -2;
-    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, half_scales);
+    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
     if (!xsum) return -1;
@@ -172,8 +172,8 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 /* no AMX in this build: prompts take int4_mm (or int4_dequant_t and PyTorch's matmul) */
 int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales) {
-    return int4_mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, half_scales);
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
+    return int4_mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form);
 }
 
 int int4_gemm_ready(void) { return 0; }
@@ -185,10 +185,10 @@ int int4_amx_enable(int on) {
 
 int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
               int64_t gated) {
     (void)x, (void)M, (void)K, (void)ldx, (void)packed, (void)sz, (void)N, (void)n_pad;
-    (void)planes, (void)y, (void)ldy, (void)gs, (void)lut, (void)half_scales, (void)gated;
+    (void)planes, (void)y, (void)ldy, (void)gs, (void)lut, (void)scales_form, (void)gated;
     return -2;
 }
 
@@ -196,8 +196,8 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
  * + z) summed in fp32, rounded once */
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
-                    int64_t half_scales) {
-    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, half_scales);
+                    int64_t scales_form) {
+    const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
     if (lut) {
         lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));

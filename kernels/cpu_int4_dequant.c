@@ -13,8 +13,8 @@
  * n < n_pad (the padded rows come out as 0). wt: bf16 [K][n_pad]. */
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
-                    int64_t half_scales) {
-    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, half_scales), *sz = &scales;
+                    int64_t scales_form) {
+    const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     /* codebook weights: lut[c] s + z; others (c - 8) s + z = c s + (z - 8 s) */
     const __m512 lutf = codebook_f32(lut);
     const float bias = lut ? 0.0f : 8.0f;

@@ -8,21 +8,34 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* A weight's per-group scales and zeros, in one of two forms:
+/* A weight's per-group scales and zeros, in one of three forms (SCALES_* below):
  *   pairs: bf16 [K2 / gs][n_pad][2], (scale, zero) per group and row;
+ *   tiled pairs: the same pairs as [n_pad / 64][K2 / gs][64][2], a tile's groups side by side,
+ *          so that a thread reading its tiles reads their scales in one run (not K2 / gs runs
+ *          n_pad * 4 bytes apart);
  *   half:  fp16 [K / gs][n_pad], the scale s alone of a symmetric weight, exact as stored in the
  *          file; one plane: (c - 8) s; two planes (q = 16 h + l, the same s for both):
  *          plane H (c - 8) 16 s, plane L (c - 8) s + 8 s. */
+enum { SCALES_PAIRS = 0, SCALES_HALF = 1, SCALES_TILED = 2 }; /* the kernels' `scales_form` */
+
 typedef struct {
     const uint16_t *p;
     int64_t n_pad, plane_groups; /* plane_groups = K / gs */
-    int half, planes;
+    int half, planes, tiled;
 } Scales;
 
 static inline Scales scales_of(const uint16_t *sz, int64_t n_pad, int64_t K, int64_t gs,
-                               int64_t planes, int64_t half) {
-    const Scales s = {sz, n_pad, K / gs, half != 0, (int)planes};
+                               int64_t planes, int64_t form) {
+    const Scales s = {sz, n_pad, K / gs, form == SCALES_HALF, (int)planes, form == SCALES_TILED};
     return s;
+}
+
+/* where the (scale, zero) pair of group g (g < K2 / gs) and row `row` begins in a pairs or
+ * tiled-pairs form, in bf16 values from s->p (rows row..row+15 follow it when row % 16 == 0) */
+static inline int64_t pair_at(const Scales *s, int64_t g, int64_t row) {
+    if (s->tiled)
+        return (((row / 64) * s->planes * s->plane_groups + g) * 64 + row % 64) * 2;
+    return (g * s->n_pad + row) * 2;
 }
 
 /* The sum of the gs (16 or 32) bf16 values at xg in fp32, as a fixed pairwise tree: halves

@@ -12,17 +12,17 @@
 /* ---- int4 weight-only matmuls (cpu_int4*.c; the packed layout is described in cpu_int4.h) */
 
 /* y = x @ W^T, x: bf16 [M][ldx] (K used), y: bf16 [M][ldy] (N written); groups of gs = 32 or
- * 16 columns; lut: NULL or a codebook's 32 bf16 values hi | lo; half_scales: sz holds fp16
- * scales alone. Returns 0, -1 if out of memory, -2 for another group size. */
+ * 16 columns; lut: NULL or a codebook's 32 bf16 values hi | lo; scales_form: SCALES_PAIRS,
+ * SCALES_TILED or SCALES_HALF, the form of sz (cpu_int4_groups.h). Returns 0, -1 if out of memory, -2 for another group size. */
 int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form);
 
 /* int4_mm on AMX tiles for a prompt's rows, whatever int4_amx_enable says (groups of 32
  * without a codebook; other weights take the AVX-512 path). Call int4_gemm_ready first. */
 int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales);
+                  int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form);
 
 /* Asks the OS for the AMX tile state once; returns whether tiles may be used at all. */
 int int4_gemm_ready(void);
@@ -36,13 +36,13 @@ int int4_amx_enable(int on);
  * group size. */
 int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t half_scales,
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
               int64_t gated);
 
 /* W^T in bf16, wt: [K][n_pad], planes summed in fp32 and rounded once. */
 void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, uint16_t *wt, int64_t gs, const uint16_t *lut,
-                    int64_t half_scales);
+                    int64_t scales_form);
 
 /* Rows ids[0..T) of a packed weight with fp16 scales in fp32, as the source dequantizes them:
  * out fp32 [T][K] (cpu_int4_rows.c). */
@@ -75,7 +75,7 @@ typedef struct {
     const uint16_t *sz;
     int64_t out_features, out_padded, planes, group_size;
     const uint16_t *lut; /* NULL, or a codebook weight's 32 bf16 values hi | lo */
-    int64_t half_scales; /* sz: fp16 scales alone (cpu_int4.h, `Scales`) */
+    int64_t scales_form; /* the form of sz: SCALES_PAIRS, _TILED or _HALF (cpu_int4_groups.h) */
 } PackedWeight;
 
 typedef struct {

@@ -21,7 +21,7 @@
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */
     return int4_mm(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded, w->planes, y,
-                   w->out_features, w->group_size, w->lut, w->half_scales) ? -2 : 0;
+                   w->out_features, w->group_size, w->lut, w->scales_form) ? -2 : 0;
 }
 
 /* x: bf16 [M][hidden], the step's embeddings; overwritten with the final normalized hidden

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_int4 import TILE, _lut_ptr, int4_mm_ref, scales_layout
+from localllm.kernels.cpu_int4 import (HALF, PAIRS, TILE, TILED, _lut_ptr, int4_mm_ref,
+                                       scales_layout)
 from localllm.kernels.cpu_ops import (
     decode_attention_ref,
     decode_attention_supported,
@@ -27,7 +28,7 @@ class _PackedWeight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("out_padded", ctypes.c_int64),
                 ("planes", ctypes.c_int64), ("group_size", ctypes.c_int64),
-                ("lut", ctypes.c_void_p), ("half_scales", ctypes.c_int64)]
+                ("lut", ctypes.c_void_p), ("scales_form", ctypes.c_int64)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -47,7 +48,8 @@ class _DecoderDims(ctypes.Structure):
 class PackedLinear:
     """One packed int4 weight as `int4_mm` takes it."""
     packed: torch.Tensor  # uint8 [out_padded, planes * in / 2]
-    # bf16 [planes * in / gs, out_padded, 2], or fp16 [in / gs, out_padded] (`scales_layout`)
+    # bf16 pairs [planes * in / gs, out_padded, 2] or [out_padded / 64, planes * in / gs, 64,
+    # 2], or fp16 [in / gs, out_padded] (`scales_layout`)
     scales_zeros: torch.Tensor
     in_features: int
     out_features: int
@@ -62,18 +64,20 @@ class PackedLinear:
                 and n_pad % TILE == 0 and out_features <= n_pad and in_features % 32 == 0
                 and self.packed.shape[1] * 2 == self.planes * in_features
                 and scales_layout(self.scales_zeros, self.planes * in_features, self.planes,
-                                  n_pad) == (self.group_size, self.half_scales)):
+                                  n_pad) == (self.group_size, self.scales_form)):
             raise ValueError(f"DecoderStack: {name} is not a packed [{out_features}, "
                              f"{in_features}] weight")
 
     def struct(self) -> _PackedWeight:
         return _PackedWeight(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
                              self.out_features, self.packed.shape[0], self.planes,
-                             self.group_size, _lut_ptr(self.lut), int(self.half_scales))
+                             self.group_size, _lut_ptr(self.lut), self.scales_form)
 
     @property
-    def half_scales(self) -> bool:
-        return self.scales_zeros.dtype == torch.float16
+    def scales_form(self) -> int:
+        """PAIRS, TILED or HALF (`scales_layout`)"""
+        return (HALF if self.scales_zeros.dtype == torch.float16
+                else TILED if self.scales_zeros.dim() == 4 else PAIRS)
 
 
 @dataclass(frozen=True)

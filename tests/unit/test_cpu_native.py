@@ -289,6 +289,50 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
         stack.run(x.clone(), pos, slots, tables, ctx + 40, pools, cos, sin)
 
 
+@pytest.mark.parametrize("group", [32, 16])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_tiled_scales_give_what_pytorchs_pairs_give(matmul_path: str, planes: int,
+                                                    group: int) -> None:
+    # packing with the native kernels keeps (scale, zero) pairs tile by tile; the kernels read
+    # PyTorch's pairs form too, and must give the same bits from either
+    w = packed(200, 256, planes, group=group)  # 4 tiles, the last padded
+    k2 = planes * 256
+    assert cpu_int4.scales_layout(w.scales_zeros, k2, planes, 256) == (group, cpu_int4.TILED)
+    pairs = cpu_int4.untile_scales(w.scales_zeros)
+    assert pairs.shape == (k2 // group, 256, 2)
+    assert cpu_int4.scales_layout(pairs, k2, planes, 256) == (group, cpu_int4.PAIRS)
+    assert torch.equal(cpu_int4.tile_scales(pairs), w.scales_zeros)
+    # pair (group g, row n) sits at [n // 64, g, n % 64] of the tiled form
+    assert torch.equal(w.scales_zeros[2, 3, 5], pairs[3, 2 * 64 + 5])
+    for rows in (1, 2, 3, 8, 17):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 200, planes)
+        assert torch.equal(y, cpu_int4.int4_mm(x, w.packed, pairs, 200, planes))
+        want = cpu_int4.int4_mm_ref(x, w.packed, pairs, 200, planes)
+        assert torch.equal(want, cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 200, planes))
+        bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
+    assert torch.equal(cpu_int4.int4_dequant_t(w.packed, w.scales_zeros, planes),
+                       cpu_int4.int4_dequant_t(w.packed, pairs, planes))
+    if cpu_native.gemm_available():
+        x = torch.randn(33, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+        assert torch.equal(cpu_int4.int4_gemm(x, w.packed, w.scales_zeros, 200, planes),
+                           cpu_int4.int4_gemm(x, w.packed, pairs, 200, planes))
+    # rows of the weight, and its matmul on PyTorch's kernel should the native ones go away
+    ids = torch.tensor([0, 63, 64, 130, 199])
+    dense = cpu_int4._dequant_fp32(w.packed, pairs, planes)[ids]
+    assert torch.equal(w.rows(ids), dense if planes == 1 else dense[:, :256] + dense[:, 256:])
+    if group == 32:
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+        native = w.matmul(x)
+        available = cpu_native.available
+        try:
+            cpu_native.available = lambda: False  # type: ignore[assignment]
+            fallback = w.matmul(x)
+        finally:
+            cpu_native.available = available  # type: ignore[assignment]
+        bf16_close(fallback, native, atol=1e-2 * float(native.float().abs().max()))
+
+
 @pytest.mark.parametrize("offsets", [True, False])
 @pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("planes", [1, 2])

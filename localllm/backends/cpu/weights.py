@@ -44,8 +44,9 @@ class CpuPackedWeight:
                  exact: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                  group_size: int = GROUP, codebook: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [out_padded, planes * in / 2]
-        # bf16 [planes * in / group_size, out_padded, 2], or (half) fp16 [in / group_size,
-        # out_padded]: see the module docstring
+        # bf16 pairs [planes * in / group_size, out_padded, 2] (TILED with the native kernels:
+        # [out_padded / 64, planes * in / group_size, 64, 2]), or (half) fp16 [in / group_size,
+        # out_padded]: see the module docstring and `cpu_int4.scales_layout`
         self.scales_zeros = scales_zeros
         self.half = scales_zeros.dtype == torch.float16
         # the source's own scales and offsets [out, in / group_size], for exact `rows` (half
@@ -120,6 +121,8 @@ class CpuPackedWeight:
                 if exact[1] is not None and w.offsets is not None:
                     exact[1][r:stop] = w.offsets
         assert packed is not None and sz is not None
+        if not half and cpu_native.available():  # what the native kernels read fastest
+            sz = cpu_int4.tile_scales(sz)
         return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact, group_size,
                    codebook)
 
@@ -138,8 +141,10 @@ class CpuPackedWeight:
                or (p.codebook is not None and first.codebook is not None
                    and not torch.equal(p.codebook, first.codebook)) for p in packed):
             return None
-        return CpuPackedWeight(torch.cat([p.packed for p in packed]),
-                               torch.cat([p.scales_zeros for p in packed], dim=1),
+        tiled = [p.scales_zeros.dim() == 4 for p in packed]
+        scales = (torch.cat([p.scales_zeros for p in packed]) if all(tiled)  # tile by tile
+                  else torch.cat([cpu_int4.untile_scales(p.scales_zeros) for p in packed], dim=1))
+        return CpuPackedWeight(torch.cat([p.packed for p in packed]), scales,
                                sum(p.out_features for p in packed), first.in_features,
                                first.planes, group_size=first.group_size,
                                codebook=first.codebook)
@@ -176,7 +181,7 @@ class CpuPackedWeight:
             return x @ self.dense_t()
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
-                                                        self.scales_zeros)
+                                                        cpu_int4.untile_scales(self.scales_zeros))
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def dense_t(self) -> torch.Tensor:
@@ -199,8 +204,9 @@ class CpuPackedWeight:
         gs = self.group_size
         groups = wt.view(k2 // gs, gs, n_pad)
         # contiguous copies of the (small) scales and zeros: strided ones make addcmul 3x slower
-        scale = self.scales_zeros[..., 0].unsqueeze(1).contiguous()  # [K / gs, 1, out_padded]
-        zero = self.scales_zeros[..., 1].unsqueeze(1).contiguous()
+        pairs = cpu_int4.untile_scales(self.scales_zeros)
+        scale = pairs[..., 0].unsqueeze(1).contiguous()  # [K / gs, 1, out_padded]
+        zero = pairs[..., 1].unsqueeze(1).contiguous()
         torch.addcmul(zero, groups, scale, out=groups)  # (c - 8) * scale + zero
         w = wt.view(k2, n_pad)
         if self.planes == 2:
@@ -233,7 +239,9 @@ class CpuPackedWeight:
         c = cpu_int4.packed_row_codes(self.packed, ids)  # [T, K2]
         gs = self.group_size
         if self.exact is None and not self.half:
-            sz = self.scales_zeros[:, ids].float().permute(1, 0, 2)  # [T, planes * in / gs, 2]
+            sz = self.scales_zeros  # -> [T, planes * in / gs, 2]
+            sz = (sz[ids // TILE, :, ids % TILE] if sz.dim() == 4
+                  else sz[:, ids].permute(1, 0, 2)).float()
             vals = c - 8.0 if self.codebook is None else self.codebook.float()[c.long()]
             w = (vals.view(t, k2 // gs, gs) * sz[..., :1] + sz[..., 1:]).view(t, k2)
             return w if self.planes == 1 else w[:, :self.in_features] + w[:, self.in_features:]
