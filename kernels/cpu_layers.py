@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_int4 import (HALF, PAIRS, TILE, TILED, _lut_ptr, int4_mm_ref,
-                                       scales_layout)
+from localllm.kernels.cpu_int4 import HALF, PAIRS, TILE, TILED, _lut_ptr, int4_mm_ref, scales_layout
 from localllm.kernels.cpu_ops import (
     decode_attention_ref,
     decode_attention_supported,
