@@ -159,10 +159,73 @@ static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_
         store_bf16(out + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), _mm512_set1_ps(inv)), 0xFFFF);
 }
 
+#define SPAN 64
+
+/* sum_lanes16 of 16 positions' dot products q . k (bf16 products, fp32 sums; positions n and
+ * beyond give 0): krow[p] the positions' K rows, qb the query as NQ vectors of 32 bf16.
+ * Called with constant head_dim and NQ for the common head sizes, so that the 16 sums stay in
+ * registers (with run-time ones they went through the stack). */
+static inline __attribute__((always_inline)) __m512 scores16(const uint16_t *const *krow,
+                                                             int64_t n, const __m512i *qb,
+                                                             int64_t head_dim, int64_t NQ) {
+    __m512 d[16];
+    for (int64_t p = 0; p < 16; p++) {
+        d[p] = _mm512_setzero_ps();
+        if (p >= n) continue;
+        for (int64_t j = 0; j < NQ; j++) {
+            const int64_t left = head_dim - 32 * j;
+            const __m512i kv = _mm512_maskz_loadu_epi16(left >= 32 ? ~0u : (1u << left) - 1,
+                                                        krow[p] + 32 * j);
+            d[p] = _mm512_dpbf16_ps(d[p], (__m512bh)kv, (__m512bh)qb[j]);
+        }
+    }
+    return sum_lanes16(d);
+}
+
+/* acc = acc corr + sum_p e[p] V[p] for GN query heads (acc: fp32 at acc + gi * stride, e:
+ * their rows of SPAN weights) and W vectors of 16 dims from vector j0 of the V rows, over
+ * positions 0..n-1. GN and W are constants in each instance (V_BLOCKS), so that the GN x W
+ * sums stay in registers over the positions. */
+static inline __attribute__((always_inline)) void v_block(
+    float *acc, int64_t stride, const float *corr, float (*e)[SPAN],
+    const uint16_t *const *vrow, int64_t n, int64_t j0, const int GN, const int W) {
+    __m512 a[4][4];
+    for (int gi = 0; gi < GN; gi++)
+        for (int i = 0; i < W; i++)
+            a[gi][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + gi * stride + 16 * i),
+                                     _mm512_set1_ps(corr[gi]));
+    for (int64_t p = 0; p < n; p++) {
+        __m512 v[4];
+        for (int i = 0; i < W; i++) v[i] = load_bf16(vrow[p] + 16 * (j0 + i), 0xFFFF);
+        for (int gi = 0; gi < GN; gi++) {
+            const __m512 ep = _mm512_set1_ps(e[gi][p]);
+            for (int i = 0; i < W; i++) a[gi][i] = _mm512_fmadd_ps(ep, v[i], a[gi][i]);
+        }
+    }
+    for (int gi = 0; gi < GN; gi++)
+        for (int i = 0; i < W; i++) _mm512_storeu_ps(acc + gi * stride + 16 * i, a[gi][i]);
+}
+
+typedef void (*VBlock)(float *, int64_t, const float *, float (*)[SPAN], const uint16_t *const *,
+                       int64_t, int64_t);
+#define V_BLOCK(GN, W)                                                                        \
+    static void v_block_##GN##_##W(float *acc, int64_t stride, const float *corr,             \
+                                   float (*e)[SPAN], const uint16_t *const *vrow, int64_t n,  \
+                                   int64_t j0) {                                              \
+        v_block(acc, stride, corr, e, vrow, n, j0, GN, W);                                    \
+    }
+#define V_BLOCKS_OF(GN) V_BLOCK(GN, 1) V_BLOCK(GN, 2) V_BLOCK(GN, 3) V_BLOCK(GN, 4)
+V_BLOCKS_OF(1)
+V_BLOCKS_OF(2)
+V_BLOCKS_OF(3)
+V_BLOCKS_OF(4)
+/* [GN - 1][W - 1] */
+#define V_ROW(GN) {v_block_##GN##_1, v_block_##GN##_2, v_block_##GN##_3, v_block_##GN##_4}
+static const VBlock V_BLOCKS[4][4] = {V_ROW(1), V_ROW(2), V_ROW(3), V_ROW(4)};
+
 /* One task of decode attention (`AttnChunk`, cpu_paged.h). Positions go SPAN at a time
  * (across blocks): the softmax's serial steps (max, exponentials, sums) then cover SPAN
  * positions at once. */
-#define SPAN 64
 #define AHEAD 32 /* positions (64 slowed 8 streams of 300 positions by 5%) */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
                        const int64_t *table, int64_t p0, int64_t p1, int64_t kh, int64_t group,
@@ -184,8 +247,9 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     const uint16_t *krow[SPAN], *vrow[SPAN];
     for (int64_t start = p0; start < p1; start += SPAN) {
         const int64_t cn = p1 - start < SPAN ? p1 - start : SPAN;
+        KvCursor at = kv_cursor(table, start, block_size, row, kh * head_dim);
         for (int64_t i = 0; i < cn; i++) {
-            const int64_t off = kv_offset(table, start + i, block_size, row, kh * head_dim);
+            const int64_t off = kv_next(&at);
             krow[i] = kpool + off;
             vrow[i] = vpool + off;
         }
@@ -195,23 +259,16 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             __m512 s[SPAN / 16];
             for (int64_t c = 0; c < nvec; c++) {
                 const int64_t ahead = start + AHEAD + 16 * c; /* 16 positions further on */
-                for (int64_t pos = ahead; g == 0 && pos < p1 && pos < ahead + 16; pos++)
-                    prefetch_position(kpool, vpool,
-                                      kv_offset(table, pos, block_size, row, kh * head_dim),
-                                      head_dim);
-                __m512 d[16];
-                for (int64_t p = 0; p < 16; p++) {
-                    d[p] = _mm512_setzero_ps();
-                    if (16 * c + p >= cn) continue;
-                    const uint16_t *kr = krow[16 * c + p];
-                    for (int64_t j = 0; j < nq; j++) {
-                        const int64_t left = head_dim - 32 * j;
-                        const __m512i kv = _mm512_maskz_loadu_epi16(
-                            left >= 32 ? ~0u : (1u << left) - 1, kr + 32 * j);
-                        d[p] = _mm512_dpbf16_ps(d[p], (__m512bh)kv, (__m512bh)qb[g][j]);
-                    }
+                if (g == 0 && ahead < p1) {
+                    KvCursor pf = kv_cursor(table, ahead, block_size, row, kh * head_dim);
+                    for (int64_t pos = ahead; pos < p1 && pos < ahead + 16; pos++)
+                        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
                 }
-                s[c] = _mm512_mul_ps(sum_lanes16(d), _mm512_set1_ps(scale));
+                const __m512 raw =
+                    head_dim == 64 ? scores16(krow + 16 * c, cn - 16 * c, qb[g], 64, 2)
+                    : head_dim == 128 ? scores16(krow + 16 * c, cn - 16 * c, qb[g], 128, 4)
+                                      : scores16(krow + 16 * c, cn - 16 * c, qb[g], head_dim, nq);
+                s[c] = _mm512_mul_ps(raw, _mm512_set1_ps(scale));
             }
             float *pg = part + g * stride;
             __m512 mv = _mm512_set1_ps(pg[0]);
@@ -235,28 +292,8 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             const int64_t w = nv - j0 < 4 ? nv - j0 : 4;
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t gn = group - g0 < 4 ? group - g0 : 4;
-                __m512 a[4][4];
-                for (int64_t gi = 0; gi < 4; gi++)
-                    for (int64_t i = 0; i < 4; i++)
-                        a[gi][i] = gi < gn && i < w
-                                       ? _mm512_mul_ps(_mm512_loadu_ps(part + (g0 + gi) * stride +
-                                                                       2 + 16 * (j0 + i)),
-                                                       _mm512_set1_ps(corr[g0 + gi]))
-                                       : _mm512_setzero_ps();
-                for (int64_t p = 0; p < cn; p++) {
-                    __m512 v[4];
-                    for (int64_t i = 0; i < 4; i++)
-                        v[i] = i < w ? load_bf16(vrow[p] + 16 * (j0 + i), 0xFFFF)
-                                     : _mm512_setzero_ps();
-                    for (int64_t gi = 0; gi < gn; gi++) {
-                        const __m512 ep = _mm512_set1_ps(e[g0 + gi][p]);
-                        for (int64_t i = 0; i < 4; i++)
-                            a[gi][i] = _mm512_fmadd_ps(ep, v[i], a[gi][i]);
-                    }
-                }
-                for (int64_t gi = 0; gi < gn; gi++)
-                    for (int64_t i = 0; i < w; i++)
-                        _mm512_storeu_ps(part + (g0 + gi) * stride + 2 + 16 * (j0 + i), a[gi][i]);
+                V_BLOCKS[gn - 1][w - 1](part + g0 * stride + 2 + 16 * j0, stride, corr + g0,
+                                        e + g0, vrow, cn, j0);
             }
         }
     }

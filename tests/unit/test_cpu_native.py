@@ -180,6 +180,8 @@ def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
     ([5000], 128, 8, 1, 32),          # eight chunks, group of 8
     ([77, 600], 80, 4, 2, 128),       # head_dim not a multiple of 32; blocks beyond a chunk
     ([33], 256, 2, 2, 16),
+    ([40, 200], 96, 10, 2, 16),       # V in blocks of 4 and 2 vectors; 5 query heads: 4 + 1
+    ([130], 48, 6, 2, 16),            # 3 vectors of V, a half-masked second query vector
 ])
 def test_decode_attention_long_contexts_and_head_sizes(ctxs: list[int], head_dim: int,
                                                        n_heads: int, n_kv: int,
