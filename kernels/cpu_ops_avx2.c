@@ -100,6 +100,48 @@ int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
 
 #define MAX_GROUP 16
 #define MAX_VECS 32 /* head_dim <= 256 */
+/* acc = acc corr + sum_p e[p] V[p] for GN query heads (acc: fp32 rows 8 * MAX_VECS apart,
+ * from vector j0; e: their rows of 64 weights, sc) and W vectors of 8 dims from vector j0 of
+ * the V rows (vb, positions `row` values apart), over positions 0..n-1. GN and W are
+ * constants in each instance (V_BLOCKS8), so that the GN x W sums stay in the 16 registers
+ * over the positions (as one array they went through the stack, a store-to-load chain per
+ * position). */
+static inline __attribute__((always_inline)) void v_block8(
+    float *acc, const float *corr, float (*e)[64], const uint16_t *vb, int64_t row, int64_t n,
+    int64_t j0, const int GN, const int W) {
+    __m256 a[4][3];
+    for (int gi = 0; gi < GN; gi++)
+        for (int i = 0; i < W; i++)
+            a[gi][i] = _mm256_mul_ps(_mm256_load_ps(acc + gi * 8 * MAX_VECS + 8 * i),
+                                     _mm256_set1_ps(corr[gi]));
+    for (int64_t p = 0; p < n; p++) {
+        __m256 v[3];
+        for (int i = 0; i < W; i++) v[i] = load8_bf16(vb + p * row + 8 * (j0 + i));
+        for (int gi = 0; gi < GN; gi++) {
+            const __m256 ep = _mm256_set1_ps(e[gi][p]);
+            for (int i = 0; i < W; i++) a[gi][i] = _mm256_fmadd_ps(ep, v[i], a[gi][i]);
+        }
+    }
+    for (int gi = 0; gi < GN; gi++)
+        for (int i = 0; i < W; i++) _mm256_store_ps(acc + gi * 8 * MAX_VECS + 8 * i, a[gi][i]);
+}
+
+typedef void (*VBlock8)(float *, const float *, float (*)[64], const uint16_t *, int64_t,
+                        int64_t, int64_t);
+#define V_BLOCK8(GN, W)                                                                       \
+    static void v_block8_##GN##_##W(float *acc, const float *corr, float (*e)[64],           \
+                                    const uint16_t *vb, int64_t row, int64_t n, int64_t j0) { \
+        v_block8(acc, corr, e, vb, row, n, j0, GN, W);                                        \
+    }
+#define V_BLOCKS8_OF(GN) V_BLOCK8(GN, 1) V_BLOCK8(GN, 2) V_BLOCK8(GN, 3)
+V_BLOCKS8_OF(1)
+V_BLOCKS8_OF(2)
+V_BLOCKS8_OF(3)
+V_BLOCKS8_OF(4)
+/* [GN - 1][W - 1] */
+#define V_ROW8(GN) {v_block8_##GN##_1, v_block8_##GN##_2, v_block8_##GN##_3}
+static const VBlock8 V_BLOCKS8[4][3] = {V_ROW8(1), V_ROW8(2), V_ROW8(3), V_ROW8(4)};
+
 /* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
  * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
@@ -107,13 +149,13 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                        int64_t head_dim, int64_t row, int64_t block_size, float scale,
                        float *out_part, uint16_t *out) {
     const int64_t nv = head_dim / 8;
-    __m256 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
-    float mx[MAX_GROUP], den[MAX_GROUP];
+    __m256 qv[MAX_GROUP][MAX_VECS];
+    float acc[MAX_GROUP][8 * MAX_VECS] __attribute__((aligned(32)));
+    float mx[MAX_GROUP], den[MAX_GROUP], corr[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        for (int64_t j = 0; j < nv; j++) {
+        for (int64_t j = 0; j < nv; j++)
             qv[g][j] = _mm256_mul_ps(load8_bf16(qh + g * head_dim + 8 * j), _mm256_set1_ps(scale));
-            acc[g][j] = _mm256_setzero_ps();
-        }
+        memset(acc[g], 0, sizeof(float) * (size_t)head_dim);
         mx[g] = -INFINITY;
         den[g] = 0.0f;
     }
@@ -141,11 +183,9 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             for (int64_t g = 0; g < group; g++) {
                 float m = mx[g];
                 for (int64_t p = 0; p < cn; p++) m = sc[g][p] > m ? sc[g][p] : m;
-                const float corr = expf(mx[g] - m);
+                corr[g] = expf(mx[g] - m); /* acc's factor, applied in v_block8 */
                 mx[g] = m;
-                den[g] *= corr;
-                for (int64_t j = 0; j < nv; j++)
-                    acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(corr));
+                den[g] *= corr[g];
                 for (int64_t p = 0; p < cn; p += 8) {
                     const __m256i mk = lanes_n(cn - p);
                     const __m256 e = _mm256_and_ps(
@@ -156,13 +196,12 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                     den[g] += hsum8(e);
                 }
             }
-            for (int64_t p = 0; p < cn; p++) {
-                __m256 vv[MAX_VECS];
-                for (int64_t j = 0; j < nv; j++) vv[j] = load8_bf16(vb + p * row + 8 * j);
-                for (int64_t g = 0; g < group; g++) {
-                    const __m256 pg = _mm256_set1_ps(sc[g][p]);
-                    for (int64_t j = 0; j < nv; j++)
-                        acc[g][j] = _mm256_fmadd_ps(pg, vv[j], acc[g][j]);
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                for (int64_t j0 = 0; j0 < nv; j0 += 3) {
+                    const int64_t w = nv - j0 < 3 ? nv - j0 : 3;
+                    V_BLOCKS8[gn - 1][w - 1](acc[g0] + 8 * j0, corr + g0, sc + g0, vb, row, cn,
+                                             j0);
                 }
             }
         }
@@ -171,13 +210,14 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
         if (out) {
             const __m256 inv = _mm256_set1_ps(1.0f / den[g]);
             for (int64_t j = 0; j < nv; j++)
-                store8_bf16(out + g * head_dim + 8 * j, _mm256_mul_ps(acc[g][j], inv));
+                store8_bf16(out + g * head_dim + 8 * j,
+                            _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * j), inv));
             continue;
         }
         float *pg = out_part + g * (2 + head_dim);
         pg[0] = mx[g];
         pg[1] = den[g];
-        for (int64_t j = 0; j < nv; j++) _mm256_storeu_ps(pg + 2 + 8 * j, acc[g][j]);
+        memcpy(pg + 2, acc[g], sizeof(float) * (size_t)head_dim);
     }
 }
 
