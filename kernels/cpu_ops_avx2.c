@@ -160,6 +160,7 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
         den[g] = 0.0f;
     }
     float sc[MAX_GROUP][64] __attribute__((aligned(32)));
+    float kf[8][8 * MAX_VECS] __attribute__((aligned(32))); /* 8 positions' K in fp32 */
     for (int64_t start = p0; start < p1; start += block_size) {
         const int64_t blk = table[start / block_size];
         const int64_t n = p1 - start < block_size ? p1 - start : block_size;
@@ -171,13 +172,21 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             const int64_t cn = n - c0 < 64 ? n - c0 : 64;
             const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
             const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
-            for (int64_t p = 0; p < cn; p++) {
-                __m256 kv[MAX_VECS];
-                for (int64_t j = 0; j < nv; j++) kv[j] = load8_bf16(kb + p * row + 8 * j);
+            /* 8 positions at a time: their K rows widened once into kf, then per query head
+             * 8 independent sums (one position's sum over j in order, as a single chain was) */
+            for (int64_t p8 = 0; p8 < cn; p8 += 8) {
+                const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
+                for (int64_t q = 0; q < np; q++)
+                    for (int64_t j = 0; j < nv; j++)
+                        _mm256_store_ps(kf[q] + 8 * j, load8_bf16(kb + (p8 + q) * row + 8 * j));
                 for (int64_t g = 0; g < group; g++) {
-                    __m256 d = _mm256_mul_ps(qv[g][0], kv[0]);
-                    for (int64_t j = 1; j < nv; j++) d = _mm256_fmadd_ps(qv[g][j], kv[j], d);
-                    sc[g][p] = hsum8(d);
+                    __m256 d[8];
+                    for (int q = 0; q < 8; q++)
+                        d[q] = _mm256_mul_ps(qv[g][0], _mm256_load_ps(kf[q]));
+                    for (int64_t j = 1; j < nv; j++)
+                        for (int q = 0; q < 8; q++)
+                            d[q] = _mm256_fmadd_ps(qv[g][j], _mm256_load_ps(kf[q] + 8 * j), d[q]);
+                    for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(d[q]);
                 }
             }
             for (int64_t g = 0; g < group; g++) {
