@@ -117,6 +117,12 @@ def int4_gemm_ref(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
 PAIRS, HALF, TILED = 0, 1, 2
 
 
+def scales_form(scales: torch.Tensor) -> int:
+    """Which form a packed weight's scales claim by dtype and rank: HALF (fp16), TILED (4-D)
+    or PAIRS; `scales_layout` checks that they fit it."""
+    return HALF if scales.dtype == torch.float16 else TILED if scales.dim() == 4 else PAIRS
+
+
 def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
                   ) -> tuple[int, int] | None:
     """(group size, form) of a packed weight's scales, or None when they fit no form:
@@ -124,8 +130,8 @@ def scales_layout(scales: torch.Tensor, k2: int, planes: int, n_pad: int
     [n_pad / 64, K2 / gs, 64, 2] (`tile_scales`: what the native kernels read fastest); HALF,
     the fp16 scales alone of a symmetric weight, [K2 / planes / gs, n_pad] (zeros implied, see
     cpu_int4.h)."""
-    half = scales.dtype == torch.float16
-    form = HALF if half else TILED if scales.dim() == 4 else PAIRS
+    form = scales_form(scales)
+    half = form == HALF
     if not scales.is_contiguous() or scales.dim() != {PAIRS: 3, HALF: 2, TILED: 4}[form]:
         return None
     if not half and (scales.dtype != torch.bfloat16 or scales.shape[-1] != 2

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_int4 import HALF, PAIRS, TILE, TILED, _lut_ptr, int4_mm_ref, scales_layout
+from localllm.kernels.cpu_int4 import TILE, _lut_ptr, int4_mm_ref, scales_form, scales_layout
 from localllm.kernels.cpu_ops import (
     decode_attention_ref,
     decode_attention_supported,
@@ -75,8 +75,7 @@ class PackedLinear:
     @property
     def scales_form(self) -> int:
         """PAIRS, TILED or HALF (`scales_layout`)"""
-        return (HALF if self.scales_zeros.dtype == torch.float16
-                else TILED if self.scales_zeros.dim() == 4 else PAIRS)
+        return scales_form(self.scales_zeros)
 
 
 @dataclass(frozen=True)

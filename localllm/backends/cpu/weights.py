@@ -141,7 +141,7 @@ class CpuPackedWeight:
                or (p.codebook is not None and first.codebook is not None
                    and not torch.equal(p.codebook, first.codebook)) for p in packed):
             return None
-        tiled = [p.scales_zeros.dim() == 4 for p in packed]
+        tiled = [cpu_int4.scales_form(p.scales_zeros) == cpu_int4.TILED for p in packed]
         scales = (torch.cat([p.scales_zeros for p in packed]) if all(tiled)  # tile by tile
                   else torch.cat([cpu_int4.untile_scales(p.scales_zeros) for p in packed], dim=1))
         return CpuPackedWeight(torch.cat([p.packed for p in packed]), scales,
