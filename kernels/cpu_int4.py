@@ -67,6 +67,54 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     return y
 
 
+def int8_logits_available() -> bool:
+    """Whether `int8_logits` runs here (the native kernels' AVX-512 build: VNNI)."""
+    return cpu_native.available() and cpu_native.isa() == "avx512"
+
+
+def int8_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+    """fp32 x @ W.T for a grouped int8 weight in two planes with fp16 scales (an LM head in
+    Q8_0; `scales_layout` half, groups of 32), for logits: x rounded per group of 32 columns to
+    16-bit integers, integer products summed exactly (`int8_logits_ref`). Call
+    `int8_logits_available()` first. x: bf16 [M, in]; packed: uint8 [out_padded, in];
+    scales: fp16 [in / 32, out_padded] -> fp32 [M, out_features]."""
+    lib = cpu_native.library()
+    assert lib is not None and int8_logits_available(), "int8_logits is not available"
+    m, k, n_pad, layout = _matmul_operands("int8_logits", x, packed, scales, out_features, 2)
+    if layout != (32, HALF):
+        raise ValueError("int8_logits: the weight needs fp16 scales for groups of 32")
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m and lib.int8_logits(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(),
+                             scales.data_ptr(), out_features, n_pad, y.data_ptr(),
+                             out_features):
+        raise MemoryError("int8_logits: out of memory")
+    return y
+
+
+def round_groups_i16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded per group of 32 columns as `int8_logits` rounds it: integers v in
+    -32767..32767 (fp32 [M, K]) and the groups' scales sx = max |x| / 32767 (fp32 [M, K / 32])."""
+    xf = x.float().view(x.shape[0], -1, 32)
+    a = xf.abs().amax(-1)  # [M, K / 32]
+    inv = torch.where(a > 0, torch.tensor(32767.0) / a, torch.zeros_like(a))
+    v = torch.round(xf * inv.unsqueeze(-1))
+    return v.view(x.shape), a / 32767.0
+
+
+def int8_logits_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    out_features: int) -> torch.Tensor:
+    # the same formula in float64: per group the exact integer sum A = sum_k q v, then the
+    # logits sum_g A * (s * sx) over the groups (the kernel's fp32 sums differ by rounding)
+    k = x.shape[1]
+    v, sx = round_groups_i16(x)
+    c = packed_row_codes(packed, torch.arange(out_features))  # [out, 2K]
+    q = ((c[:, :k] - 8.0) * 16.0 + c[:, k:]).double()  # the int8 weights [out, K]
+    a = torch.einsum("mgk,ngk->mng", v.double().view(len(x), -1, 32), q.view(out_features, -1, 32))
+    w = scales[:, :out_features].t().double()  # [out, K / 32]
+    return (a * w.unsqueeze(0) * sx.double().unsqueeze(1)).sum(-1).float()
+
+
 def _matmul_operands(name: str, x: torch.Tensor, packed: torch.Tensor,
                      scales_zeros: torch.Tensor, out_features: int, planes: int,
                      gated: bool = False) -> tuple[int, int, int, tuple[int, int]]:

@@ -49,6 +49,13 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
 void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, int64_t gs, const int64_t *ids, int64_t T, float *out);
 
+/* fp32 logits y[M][ldy] (N written) = x @ W^T for a grouped int8 weight (groups of 32) in two
+ * nibble planes with fp16 scales sz [K / 32][n_pad] (Q8_0), x bf16 [M][ldx] rounded per group to
+ * 16-bit integers, integer products summed exactly (cpu_int8_logits.c: AVX-512 VNNI, so in
+ * the avx512 build only). Returns 0, -1 if out of memory, -2 for K or n_pad off the layout. */
+int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                const uint16_t *sz, int64_t N, int64_t n_pad, float *y, int64_t ldy);
+
 /* ---- the small per-layer ops of a decode step (cpu_ops.c) */
 
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,

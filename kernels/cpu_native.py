@@ -11,7 +11,8 @@ family:
   kernel); for a prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile
   matmuls straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's
   matmul; `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
-  refined logits, embedding lookups);
+  refined logits, embedding lookups); `int8_logits`, a Q8_0 LM head's fp32 logits from x
+  rounded to 16 bits per group (VNNI integer products; the avx512 build only);
 - `cpu_ops`: `rms_norm` (optionally adding into the residual stream first), `silu_mul`,
   `rope_`, `kv_store`, `decode_attention` (paged, online softmax) and `top_k`;
 - `cpu_layers`: `DecoderStack.run`, every layer of a decode step in one call, through the
@@ -20,7 +21,7 @@ family:
 Only the CPU backend (`localllm/backends/cpu/`) imports these modules.
 
 There are two builds of the library, from the same packed layouts and references:
-`avx512` (AVX-512 BF16 and VBMI, and AMX where the CPU has it: Intel Sapphire Rapids and
+`avx512` (AVX-512 BF16, VBMI and VNNI, and AMX where the CPU has it: Intel Sapphire Rapids and
 later, AMD Zen 4 and later) and `avx2` (AVX2, FMA and F16C: Intel Haswell and later, Alder
 Lake through Arrow Lake included, and AMD Zen 1-3). `isa()` picks the first the CPU runs;
 `LOCALLLM_NATIVE_ISA=avx2` (or `avx512`) asks for one build, e.g. to test the AVX2 build on a
@@ -52,7 +53,8 @@ def _files(*names: str) -> tuple[Path, ...]:
 ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_u8.c", "cpu_int4_amx.c",
-                     "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_ops.c", "cpu_layers.c"),
+                     "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
+                     "cpu_layers.c"),
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {
@@ -61,10 +63,12 @@ HEADERS = {
     "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_paged.h", "cpu_simd_avx2.h"),
 }
 ISA_FLAGS = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",
+               "fma"),
     "avx2": ("avx2", "fma", "f16c"),
 }
 CPU_FLAGS = ISA_FLAGS["avx512"]
+AVX512_ONLY = ("int8_logits",)  # exported by the avx512 build alone
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # AMX is opt-in (LOCALLLM_AMX=1): it makes batched decode 1.5x faster, but a row's result
 # then differs (at fp32 rounding) between running alone and in a batch (see `amx_enabled`)
@@ -75,7 +79,7 @@ _COMMON = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 _EXTRA = tuple(os.environ.get("LOCALLLM_NATIVE_CFLAGS", "").split())
 ISA_CFLAGS = {
     "avx512": (*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi",
-               "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16", *_EXTRA),
+               "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", *_EXTRA),
     "avx2": (*_COMMON, "-mavx2", "-mfma", "-mf16c", *_EXTRA),
 }
 CFLAGS = ISA_CFLAGS["avx512"]
@@ -234,6 +238,7 @@ def _library_of(name: str) -> ctypes.CDLL | None:
                     ctypes.c_int),
         "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
         "int4_rows_half": ([ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr], None),
+        "int8_logits": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64], ctypes.c_int),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                        i64], ctypes.c_int),
@@ -251,6 +256,8 @@ def _library_of(name: str) -> ctypes.CDLL | None:
                            i64], ctypes.c_int),
     }
     for fn_name, (args, res) in signatures.items():
+        if fn_name in AVX512_ONLY and name != "avx512":
+            continue
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, res
     lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_FLAGS)))

@@ -257,11 +257,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] fp32
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head.logits(hidden)
         if self.dtype == torch.float32:
             return self._softcap(logits)
         # NOTE: bf16 logits are coarse (steps of 0.125 at 25), enough to tie or swap the top
-        # tokens, so the REFINE_TOP best are recomputed in fp32 from the head's own weights
+        # tokens, and a head's own logits path rounds x (`int8_logits`: to 16 bits per group),
+        # so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
         top = self.backend.top_k(logits, min(REFINE_TOP, logits.shape[1]))  # [seqs, k]
         rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]

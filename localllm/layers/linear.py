@@ -50,6 +50,11 @@ class LinearBase(nn.Module):
         silu(gate) * up [num_tokens, out_features / 2]."""
         raise NotImplementedError
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """As an LM head: x [num_seqs, in_features] -> fp32 [num_seqs, out_features], at least
+        as accurate as `forward` (a quantized weight may have a path of its own for them)."""
+        return self(x).float()
+
 
 class Linear(LinearBase):
     """A dense weight in the compute dtype."""
@@ -125,6 +130,10 @@ class QuantLinear(LinearBase):
 
     def rows_fp32(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight.rows(ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qweight.logits(x)
+        return y if self.bias is None else y + self.bias.float()
 
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:

@@ -34,6 +34,9 @@ class QuantWeight(Protocol):
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         """For a weight stacking gate and up: silu(x Wg^T) * (x Wu^T) [rows, out / 2]."""
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """An LM head's x @ W.T in fp32 [rows, out]: at least as accurate as `matmul`."""
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in fp32 [len(ids), in]."""
 

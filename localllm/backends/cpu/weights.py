@@ -158,6 +158,16 @@ class CpuPackedWeight:
         # x: [rows, in] bf16 -> [rows, out]
         return split_matmul(x, self._policy(), self._kernel, self._rest, self.out_features)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] bf16 -> fp32 [rows, out]. A Q8_0 head (two planes, fp16 scales) takes
+        # `int8_logits`: fp32 results from 16-bit x, against bf16 ones, and 10-20% faster at
+        # 8 rows than `int4_mm` (the same path at any batch)
+        if (self.planes == 2 and self.half and self.codebook is None
+                and self.group_size == GROUP and x.dtype == torch.bfloat16
+                and cpu_int4.int8_logits_available()):
+            return cpu_int4.int8_logits(x, self.packed, self.scales_zeros, self.out_features)
+        return self.matmul(x).float()
+
     def _policy(self) -> Policy:
         # AMX tiles read the codes of groups of 32 without a codebook directly
         return packed_policy(self.group_size == GROUP and self.lut is None, self.planes)
@@ -290,6 +300,9 @@ class CpuInt8ChannelWeight:
 
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         return silu_mul(self.matmul(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x).float()
 
     @staticmethod
     def stack(parts: Sequence[object]) -> None:

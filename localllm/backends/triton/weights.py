@@ -41,6 +41,9 @@ class TritonQuantWeight:
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_mul(self.matmul(x))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x).float()
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return triton_qmatmul.dequantize_rows(self.m, ids)
 

@@ -1,0 +1,100 @@
+"""`int8_logits`, the Q8_0 LM head's fp32 logits from 16-bit x (kernels/cpu_int8_logits.c),
+against its float64 reference and the exact fp32 product, and the head's choice of path."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from localllm.backends.cpu.weights import CpuPackedWeight
+from localllm.kernels import cpu_int4, cpu_native
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_linear import random_int4, random_int8  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels need "
+                                "x86-64 AVX2 + FMA + F16C (or AVX-512) and a C compiler")
+
+
+@pytest.fixture
+def avx512() -> Iterator[None]:
+    if not cpu_native.isa_supported("avx512"):
+        pytest.skip("int8_logits is in the avx512 build: this CPU has no AVX-512 BF16/VNNI")
+    assert cpu_native.set_isa("avx512") == "avx512"
+    assert cpu_int4.int8_logits_available()
+    yield
+    cpu_native.set_isa(None)
+
+
+def q8_head(out: int, inp: int, seed: int = 0) -> tuple[CpuPackedWeight, torch.Tensor]:
+    """A Q8_0-like weight (fp16 scales, no offsets) packed, and its fp32 values [out, inp]."""
+    src = random_int8(out, inp, offsets=False, seed=seed)
+    return CpuPackedWeight.from_weight(src, torch.bfloat16), src.dequantize().float()
+
+
+def hidden(rows: int, inp: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed)) * 2
+    x[:, :32] *= 40.0  # one group far larger than the rest
+    x[0, 32:64] = 0.0  # a group of zeros (scale 0)
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("out", [64, 96, 200])  # 96, 200: the last tile is padded
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])  # 1: two tiles at a time; 17: 8 + 8 + 1
+@pytest.mark.parametrize("inp", [64, 576])
+def test_int8_logits_match_reference_and_the_exact_product(avx512: None, out: int, rows: int,
+                                                          inp: int) -> None:
+    w, dense = q8_head(out, inp, seed=out + inp)
+    x = hidden(rows, inp, seed=rows)
+    got = cpu_int4.int8_logits(x, w.packed, w.scales_zeros, out)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    ref = cpu_int4.int8_logits_ref(x, w.packed, w.scales_zeros, out)
+    # the same integer sums; the kernel's fp32 sum over groups rounds
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    # 16-bit x: within 2^-15 of each group's largest |x|, so of sum |w| * max |x| per group
+    exact = x.float() @ dense.t()
+    bound = (dense.abs().view(out, -1, 32).sum(-1)
+             @ x.float().abs().view(rows, -1, 32).amax(-1).t()).t() * 2.0**-15
+    assert ((got - exact).abs() <= bound + 1e-6).all()
+    # far closer than a bf16 rounding of the logits (what int4_mm returns)
+    assert (got - exact).abs().max() < (exact.bfloat16().float() - exact).abs().max()
+
+
+def test_a_row_gets_the_same_logits_alone_and_in_any_batch(avx512: None) -> None:
+    w, _ = q8_head(200, 576, seed=1)
+    x = hidden(19, 576, seed=2)
+    whole = cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 200)
+    alone = torch.cat([cpu_int4.int8_logits(x[i:i + 1], w.packed, w.scales_zeros, 200)
+                       for i in range(19)])
+    threes = torch.cat([cpu_int4.int8_logits(x[i:i + 3], w.packed, w.scales_zeros, 200)
+                        for i in range(0, 19, 3)])
+    assert torch.equal(whole, alone) and torch.equal(whole, threes)
+
+
+def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(avx512: None) -> None:
+    w, _ = q8_head(128, 64)
+    x = hidden(3, 64)
+    assert torch.equal(w.logits(x), cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 128))
+    q4 = CpuPackedWeight.from_weight(random_int4(128, 64, offsets=False), torch.bfloat16)
+    assert torch.equal(q4.logits(x), q4.matmul(x).float())  # one plane: int4_mm
+    with pytest.raises(ValueError, match="fp16 scales"):
+        offsets = CpuPackedWeight.from_weight(random_int8(128, 64, offsets=True),
+                                              torch.bfloat16)
+        cpu_int4.int8_logits(x, offsets.packed, offsets.scales_zeros, 128)
+
+
+def test_the_avx2_build_keeps_int4_mm_for_the_head() -> None:
+    if not cpu_native.isa_supported("avx2"):
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    assert cpu_native.set_isa("avx2") == "avx2"
+    try:
+        assert not cpu_int4.int8_logits_available()
+        w, _ = q8_head(128, 64)
+        x = hidden(3, 64)
+        assert torch.equal(w.logits(x), w.matmul(x).float())
+    finally:
+        cpu_native.set_isa(None)
