@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_ops import silu_mul_ref
+from localllm.kernels.cpu_ops import silu_mul_ref, top_k_ref
 
 TILE = 64  # rows per tile of the packed layout
 GROUP_SIZES = (32, 16)  # the kernels' groups of columns; the scales' shape tells which
@@ -256,6 +256,40 @@ def int4_rows_half(packed: torch.Tensor, scales: torch.Tensor, planes: int,
     lib.int4_rows_half(packed.data_ptr(), scales.data_ptr(), k, n_pad, planes, layout[0],
                        ids.data_ptr(), len(ids), out.data_ptr())
     return out
+
+
+REFINE_MAX = 64  # int4_refine_half's most rows and candidates per row
+
+
+def int4_refine_half(logits: torch.Tensor, x: torch.Tensor, packed: torch.Tensor,
+                     scales: torch.Tensor, planes: int, k: int) -> None:
+    """The k largest logits of each row (`top_k`'s choice, ties to the lower index) recomputed
+    in place as fp32 dot products of x's row with the weight's rows as `int4_rows_half` gives
+    them (`int4_refine_half_ref`; the sums in another fixed order). logits: fp32 [M, out]
+    (M <= 64, unit stride along out); x: bf16 [M, in]; packed, scales as for `int4_rows_half`;
+    k <= 64."""
+    lib = cpu_native.library()
+    assert lib is not None
+    n_pad, k2 = packed.shape[0], packed.shape[1] * 2
+    m, n = logits.shape
+    layout = scales_layout(scales, k2, planes, n_pad) if planes in (1, 2) else None
+    if not (logits.dtype == torch.float32 and logits.stride(1) == 1 and x.dtype == torch.bfloat16
+            and x.stride(1) == 1 and x.shape == (m, k2 // planes) and packed.is_contiguous()
+            and layout is not None and layout[1] == HALF and 0 < k <= min(n, REFINE_MAX)
+            and n <= n_pad and m <= REFINE_MAX and x.shape[1] % 16 == 0
+            and x.shape[1] <= 16384):
+        raise ValueError("int4_refine_half: bad operands")
+    if m:
+        lib.int4_refine_half(logits.data_ptr(), logits.stride(0), m, n, x.data_ptr(),
+                             x.stride(0), packed.data_ptr(), scales.data_ptr(), k2 // planes,
+                             n_pad, planes, layout[0], k)
+
+
+def int4_refine_half_ref(logits: torch.Tensor, x: torch.Tensor, packed: torch.Tensor,
+                         scales: torch.Tensor, planes: int, k: int) -> None:
+    top = top_k_ref(logits, k)
+    rows = int4_rows_half_ref(packed, scales, planes, top.flatten()).view(*top.shape, -1)
+    logits.scatter_(1, top, torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1))
 
 
 def packed_row_codes(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

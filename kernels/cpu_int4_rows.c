@@ -48,3 +48,32 @@ void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
         }
     }
 }
+
+/* For each row m of x (bf16 [M][ldx]): the k largest of logits[m] (fp32 [M][ldl], N used;
+ * top_k's choice, ties to the lower index) recomputed in place as the fp32 dot product of x's
+ * row with the weight rows of int4_rows_half: products rounded to fp32, summed in 16
+ * interleaved partial sums (column c into sum c % 16), those added in order. Rows split across
+ * the threads; one row's k candidates too. The caller checks K (a multiple of 16, <= 16384). */
+void int4_refine_half(float *logits, int64_t ldl, int64_t M, int64_t N, const uint16_t *x,
+                      int64_t ldx, const uint8_t *packed, const uint16_t *sz, int64_t K,
+                      int64_t n_pad, int64_t planes, int64_t gs, int64_t k) {
+    int64_t ids[64 * 64]; /* [M <= 64][k <= 64] */
+    top_k(logits, ldl, M, N, k, ids);
+#pragma omp parallel for schedule(static) if (M * k >= 16)
+    for (int64_t t = 0; t < M * k; t++) {
+        const int64_t m = t / k;
+        float w[16384];
+        int4_rows_half(packed, sz, K, n_pad, planes, gs, ids + t, 1, w);
+        float part[16] = {0};
+        for (int64_t c = 0; c < K; c += 16)
+            for (int j = 0; j < 16; j++) {
+                const uint32_t bits = (uint32_t)x[m * ldx + c + j] << 16;
+                float xf;
+                memcpy(&xf, &bits, 4);
+                part[j] += w[c + j] * xf;
+            }
+        float dot = 0.0f;
+        for (int j = 0; j < 16; j++) dot += part[j];
+        logits[m * ldl + ids[t]] = dot;
+    }
+}

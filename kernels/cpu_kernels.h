@@ -49,6 +49,13 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
 void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, int64_t gs, const int64_t *ids, int64_t T, float *out);
 
+/* The k best of each row of fp32 logits [M][ldl] (N used; top_k's choice) recomputed in place
+ * as fp32 dot products of x's row (bf16 [M][ldx]) with int4_rows_half's rows, in a fixed
+ * order (cpu_int4_rows.c). M <= 64, k <= 64; K a multiple of 16, at most 16384. */
+void int4_refine_half(float *logits, int64_t ldl, int64_t M, int64_t N, const uint16_t *x,
+                      int64_t ldx, const uint8_t *packed, const uint16_t *sz, int64_t K,
+                      int64_t n_pad, int64_t planes, int64_t gs, int64_t k);
+
 /* fp32 logits y[M][ldy] (N written) = x @ W^T for a grouped int8 weight (groups of 32) in two
  * nibble planes with fp16 scales sz [K / 32][n_pad] (Q8_0), x bf16 [M][ldx] rounded per group to
  * 16-bit integers, integer products summed exactly (cpu_int8_logits.c: AVX-512 VNNI, so in

@@ -238,6 +238,8 @@ def _library_of(name: str) -> ctypes.CDLL | None:
                     ctypes.c_int),
         "int4_dequant_t": ([ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], None),
         "int4_rows_half": ([ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr], None),
+        "int4_refine_half": ([ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64],
+                             None),
         "int8_logits": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64], ctypes.c_int),
         "int4_amx_enable": ([ctypes.c_int], ctypes.c_int),
         "int4_gemm": ([ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,

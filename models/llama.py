@@ -264,12 +264,9 @@ class LlamaForCausalLM(nn.Module):
         # tokens, and a head's own logits path rounds x (`int8_logits`: to 16 bits per group),
         # so the REFINE_TOP best are recomputed in fp32 from the head's own weights
         # (quantized: exactly as the file dequantizes). Per row: batch size changes nothing.
-        top = self.backend.top_k(logits, min(REFINE_TOP, logits.shape[1]))  # [seqs, k]
-        rows = self.lm_head.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, hidden]
-        exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
-        if self.lm_head.bias is not None:
-            exact = exact + self.lm_head.bias.float()[top]
-        return self._softcap(logits.scatter_(1, top, exact))
+        self.lm_head.refine_logits(logits, hidden, self.backend.top_k,
+                                   min(REFINE_TOP, logits.shape[1]))
+        return self._softcap(logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_softcap

@@ -15,7 +15,7 @@ head are one module holding one copy of the weight, quantized or not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from localllm.layers.ops import LayerOps, QuantWeight, RowSource
 from localllm.quant.formats import Int4Weight, Int8Weight, slice_rows
 
 EMBED_ROWS = 64  # embedding rows unpacked at a time
+TopK = Callable[[torch.Tensor, int], torch.Tensor]  # fp32 [rows, n], k -> int64 [rows, k]
 class LinearBase(nn.Module):
     """y = x @ W^T (+ b), W [out_features, in_features]."""
 
@@ -54,6 +55,17 @@ class LinearBase(nn.Module):
         """As an LM head: x [num_seqs, in_features] -> fp32 [num_seqs, out_features], at least
         as accurate as `forward` (a quantized weight may have a path of its own for them)."""
         return self(x).float()
+
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, top_k: TopK, k: int) -> None:
+        """As an LM head: the k best of each row of `logits` (fp32 [num_seqs, out_features],
+        chosen by `top_k`) recomputed in place in fp32 from x [num_seqs, in_features] and the
+        weight's fp32 rows (a quantized one's: exactly as its source dequantizes)."""
+        top = top_k(logits, k)  # [seqs, k]
+        rows = self.rows_fp32(top.flatten()).view(*top.shape, -1)  # [seqs, k, in_features]
+        exact = torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1)  # [seqs, k]
+        if self.bias is not None:
+            exact = exact + self.bias.float()[top]
+        logits.scatter_(1, top, exact)
 
 
 class Linear(LinearBase):
@@ -134,6 +146,10 @@ class QuantLinear(LinearBase):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         y = self.qweight.logits(x)
         return y if self.bias is None else y + self.bias.float()
+
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, top_k: TopK, k: int) -> None:
+        if self.bias is not None or not self.qweight.refine_logits(logits, x, k):
+            super().refine_logits(logits, x, top_k, k)
 
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:

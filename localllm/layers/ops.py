@@ -37,6 +37,11 @@ class QuantWeight(Protocol):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """An LM head's x @ W.T in fp32 [rows, out]: at least as accurate as `matmul`."""
 
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> bool:
+        """The k best of each row of `logits` (fp32 [rows, out]) recomputed in place in fp32
+        from x [rows, in] and the exact `rows`, in one call; False when this weight has no such
+        path (the caller then does it with `rows`)."""
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in fp32 [len(ids), in]."""
 

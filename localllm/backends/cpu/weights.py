@@ -168,6 +168,16 @@ class CpuPackedWeight:
             return cpu_int4.int8_logits(x, self.packed, self.scales_zeros, self.out_features)
         return self.matmul(x).float()
 
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> bool:
+        # fp16 scales (Q8_0, Q4_0, Q5_0): the top-k, the rows and their dot products in one
+        # native call (five PyTorch calls and a [rows, k, in] fp32 copy of the rows otherwise)
+        if not (self.half and self.codebook is None and cpu_native.available()
+                and x.dtype == torch.bfloat16 and len(x) <= cpu_int4.REFINE_MAX
+                and self.in_features % 16 == 0):
+            return False
+        cpu_int4.int4_refine_half(logits, x, self.packed, self.scales_zeros, self.planes, k)
+        return True
+
     def _policy(self) -> Policy:
         # AMX tiles read the codes of groups of 32 without a codebook directly
         return packed_policy(self.group_size == GROUP and self.lut is None, self.planes)
@@ -303,6 +313,9 @@ class CpuInt8ChannelWeight:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x).float()
+
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> bool:
+        return False
 
     @staticmethod
     def stack(parts: Sequence[object]) -> None:

@@ -44,6 +44,9 @@ class TritonQuantWeight:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x).float()
 
+    def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> bool:
+        return False
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return triton_qmatmul.dequantize_rows(self.m, ids)
 

@@ -1,5 +1,7 @@
-"""`int8_logits`, the Q8_0 LM head's fp32 logits from 16-bit x (kernels/cpu_int8_logits.c),
-against its float64 reference and the exact fp32 product, and the head's choice of path."""
+"""The LM head's native paths: `int8_logits`, a Q8_0 head's fp32 logits from 16-bit x
+(kernels/cpu_int8_logits.c), against its float64 reference and the exact fp32 product;
+`int4_refine_half`, the best logits recomputed from the exact rows in one call; and the head's
+choice of path."""
 
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ def avx512() -> Iterator[None]:
     assert cpu_native.set_isa("avx512") == "avx512"
     assert cpu_int4.int8_logits_available()
     yield
+    cpu_native.set_isa(None)
+
+
+@pytest.fixture(params=cpu_native.isas_available() or ("none",))
+def each_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each build of the kernels this CPU runs (the refine is plain C, in both)."""
+    if request.param == "none":
+        pytest.skip("no native build runs here")
+    assert cpu_native.set_isa(str(request.param)) == request.param
+    yield str(request.param)
     cpu_native.set_isa(None)
 
 
@@ -98,3 +110,47 @@ def test_the_avx2_build_keeps_int4_mm_for_the_head() -> None:
         assert torch.equal(w.logits(x), w.matmul(x).float())
     finally:
         cpu_native.set_isa(None)
+
+
+@pytest.mark.parametrize("planes", [1, 2])  # Q4_0-like, Q8_0-like
+@pytest.mark.parametrize("rows, k", [(1, 16), (3, 1), (9, 16), (2, 64)])  # 9 x 16: threads
+def test_int4_refine_half_matches_reference(each_isa: str, planes: int, rows: int,
+                                            k: int) -> None:
+    src = (random_int4 if planes == 1 else random_int8)(200, 96, offsets=False, seed=planes)
+    w = CpuPackedWeight.from_weight(src, torch.bfloat16)
+    x = hidden(rows, 96, seed=k)
+    logits = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
+    logits[:, 50:60] = logits.max()  # ties: the lower ids win
+    want, got = logits.clone(), logits.clone()
+    cpu_int4.int4_refine_half_ref(want, x, w.packed, w.scales_zeros, planes, k)
+    cpu_int4.int4_refine_half(got, x, w.packed, w.scales_zeros, planes, k)
+    chosen = want != logits  # the reference's candidates (a random logit is never exact)
+    assert int(chosen.sum()) == rows * k
+    assert torch.equal(got[~chosen], logits[~chosen])  # the same candidates, the rest untouched
+    # fp32 sums in another fixed order: within a few roundings of sum |w x|
+    dense = src.dequantize().float()
+    scale = float((x.float().abs() @ dense.abs().t()).max())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * scale)
+    exact = (x.double() @ dense.double().t()).float()
+    torch.testing.assert_close(got[chosen], exact[chosen], rtol=0, atol=1e-6 * scale)
+    with pytest.raises(ValueError, match="bad operands"):
+        cpu_int4.int4_refine_half(got, x, w.packed, w.scales_zeros, planes, 65)
+
+
+def test_a_head_refines_in_one_call_only_without_bias_and_with_fp16_scales(
+        each_isa: str) -> None:
+    from localllm.backends.cpu import CpuBackend
+    from localllm.layers.linear import LinearBase, QuantLinear
+
+    backend = CpuBackend()
+    w, _ = q8_head(128, 64)
+    x = hidden(4, 64)
+    head = QuantLinear(w, None, torch.bfloat16, backend)
+    logits = head.logits(x)
+    native, python = logits.clone(), logits.clone()
+    head.refine_logits(native, x, backend.top_k, 16)
+    LinearBase.refine_logits(head, python, x, backend.top_k, 16)  # rows_fp32 + bmm
+    torch.testing.assert_close(native, python, rtol=1e-6, atol=1e-6)
+    assert int((native != logits).sum()) == 4 * 16
+    pairs = CpuPackedWeight.from_weight(random_int8(128, 64, offsets=True), torch.bfloat16)
+    assert not pairs.refine_logits(logits.clone(), x, 16)  # bf16 (scale, zero) pairs
