@@ -56,6 +56,11 @@ class LinearBase(nn.Module):
         as accurate as `forward` (a quantized weight may have a path of its own for them)."""
         return self(x).float()
 
+    @property
+    def fine_logits(self) -> bool:
+        """Whether `logits` are far finer than the compute dtype's rounding."""
+        return False
+
     def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, top_k: TopK, k: int) -> None:
         """As an LM head: the k best of each row of `logits` (fp32 [num_seqs, out_features],
         chosen by `top_k`) recomputed in place in fp32 from x [num_seqs, in_features] and the
@@ -146,6 +151,10 @@ class QuantLinear(LinearBase):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         y = self.qweight.logits(x)
         return y if self.bias is None else y + self.bias.float()
+
+    @property
+    def fine_logits(self) -> bool:
+        return self.qweight.fine_logits
 
     def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, top_k: TopK, k: int) -> None:
         if self.bias is not None or not self.qweight.refine_logits(logits, x, k):

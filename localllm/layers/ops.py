@@ -34,6 +34,11 @@ class QuantWeight(Protocol):
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         """For a weight stacking gate and up: silu(x Wg^T) * (x Wu^T) [rows, out / 2]."""
 
+    @property
+    def fine_logits(self) -> bool:
+        """Whether `logits` are far finer than the compute dtype's rounding (fp32 sums of
+        16-bit or finer x), so that fewer of the best need recomputing exactly."""
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """An LM head's x @ W.T in fp32 [rows, out]: at least as accurate as `matmul`."""
 

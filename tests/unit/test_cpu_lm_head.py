@@ -91,8 +91,10 @@ def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(avx512: No
     w, _ = q8_head(128, 64)
     x = hidden(3, 64)
     assert torch.equal(w.logits(x), cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 128))
+    assert w.fine_logits  # so compute_logits refines fewer of them
     q4 = CpuPackedWeight.from_weight(random_int4(128, 64, offsets=False), torch.bfloat16)
     assert torch.equal(q4.logits(x), q4.matmul(x).float())  # one plane: int4_mm
+    assert not q4.fine_logits
     with pytest.raises(ValueError, match="fp16 scales"):
         offsets = CpuPackedWeight.from_weight(random_int8(128, 64, offsets=True),
                                               torch.bfloat16)
@@ -107,7 +109,7 @@ def test_the_avx2_build_keeps_int4_mm_for_the_head() -> None:
         assert not cpu_int4.int8_logits_available()
         w, _ = q8_head(128, 64)
         x = hidden(3, 64)
-        assert torch.equal(w.logits(x), w.matmul(x).float())
+        assert torch.equal(w.logits(x), w.matmul(x).float()) and not w.fine_logits
     finally:
         cpu_native.set_isa(None)
 

@@ -41,6 +41,8 @@ class TritonQuantWeight:
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_mul(self.matmul(x))
 
+    fine_logits = False
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x).float()
 
