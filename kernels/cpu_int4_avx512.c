@@ -53,17 +53,19 @@ static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4]
 }
 
 /* NT consecutive 64-row tiles for MR rows of x (NT * MR <= 2: 16 accumulators and 16 sums
- * fit the 32 vector registers). out[(i * MR + m) * 64 + row] gets tile i's rows for x row m,
- * in fp32. Every (tile, row) pair is summed in the same order whatever NT and MR are, so a row
- * of x gets the same result alone or in a batch. */
+ * fit the 32 vector registers), their row blocks R0 .. R1 - 1 of 16 rows (0 .. 3: whole
+ * tiles; 0 .. 1 or 2 .. 3: one half of one tile). out[(i * MR + m) * 64 + row] gets tile i's
+ * rows for x row m, in fp32. Every (tile, row) pair is summed in the same order whatever NT,
+ * MR and the blocks are, so a row of x gets the same result alone or in a batch. */
 static inline __attribute__((always_inline)) void tiles_rows(
     const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0,
     const uint16_t *x, int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out,
-    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int NT, const int MR, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo,
+    const int R0, const int R1) {
     __m512 y[2][2][4]; /* [NT][MR][4]: fixed sizes, so that they live in registers */
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
-            for (int r = 0; r < 4; r++) y[i][m][r] = _mm512_setzero_ps();
+            for (int r = R0; r < R1; r++) y[i][m][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
             for (int i = 0; i < NT; i++) {
@@ -74,7 +76,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
         __m512 a[2][2][4];
         for (int i = 0; i < NT; i++)
             for (int m = 0; m < MR; m++)
-                for (int r = 0; r < 4; r++) a[i][m][r] = _mm512_setzero_ps();
+                for (int r = R0; r < R1; r++) a[i][m][r] = _mm512_setzero_ps();
         const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
         for (int kp = 0; kp < GS / 2; kp++) {
             int32_t pair[2];
@@ -86,7 +88,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
                 unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
                 for (int m = 0; m < MR; m++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
-                    for (int r = 0; r < 4; r++) {
+                    for (int r = R0; r < R1; r++) {
                         a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)w[r], xb);
                         if (USE_LUT == 2)
                             a[i][m][r] = _mm512_dpbf16_ps(a[i][m][r], (__m512bh)wlo[r], xb);
@@ -95,7 +97,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
             }
         }
         for (int i = 0; i < NT; i++) {
-            for (int r = 0; r < 4; r++) {
+            for (int r = R0; r < R1; r++) {
                 __m512 zz; /* z - 136 s */
                 const __m512 sc = group_scale(sz, g, row0 + i * TILE + 16 * r,
                                               USE_LUT ? 0.0f : 136.0f, &zz);
@@ -109,7 +111,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
     }
     for (int i = 0; i < NT; i++)
         for (int m = 0; m < MR; m++)
-            for (int r = 0; r < 4; r++)
+            for (int r = R0; r < R1; r++)
                 _mm512_storeu_ps(out + (i * MR + m) * TILE + 16 * r, y[i][m][r]);
 }
 
@@ -165,7 +167,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
 static inline __attribute__((always_inline)) void tile_rows8(
     const uint8_t *tile, const Scales *sz, int64_t row0, const uint16_t *x,
     int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
-    const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int USE_LUT, __m512i lut, __m512i lut_lo, const int H0, const int H1) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i bias = _mm512_set1_epi32(0x43004300); /* bf16 128 = 0x4300 */
     const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
@@ -177,12 +179,12 @@ static inline __attribute__((always_inline)) void tile_rows8(
             for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
         }
         const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
-        for (int h = 0; h < 2; h++) {
+        for (int h = H0; h < H1; h++) { /* halves H0 .. H1 - 1 (a half tile: one) */
             __m512 a[8][2];
             for (int m = 0; m < 8; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
             for (int kp = 0; kp < GS / 2; kp++) {
                 const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
-                if (h == 0) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                if (h == H0) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
                 const __m512i b = _mm512_loadu_si512(p);
                 const __m512i nib = h ? _mm512_and_si512(_mm512_srli_epi16(b, 4), low4)
                                       : _mm512_and_si512(b, low4);
@@ -233,10 +235,22 @@ static inline __attribute__((always_inline)) void tile_rows8(
     const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0, const uint16_t *x, \
         int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, __m512i lut,      \
         __m512i lut_lo
+/* one half of a tile (row blocks r0 .. r1 - 1) for mr (1, 2 or 8) rows of x */
+#define HALF_PATH(gs, terms, mr, name, r0, r1)                                                 \
+    static __attribute__((noinline)) void half##mr##_##name##_##gs##_##terms(PATH_ARGS) {      \
+        if (mr == 8) {                                                                         \
+            (void)tile_bytes;                                                                  \
+            tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo,   \
+                       r0 / 2, r1 / 2);                                                        \
+        } else {                                                                               \
+            tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, mr % 8,    \
+                       gs, terms, lut, lut_lo, r0, r1);                                        \
+        }                                                                                      \
+    }
 #define ROW_PATHS(gs, terms)                                                                   \
     static __attribute__((noinline)) void rows8_##gs##_##terms(PATH_ARGS) {                    \
         (void)tile_bytes;                                                                      \
-        tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo);      \
+        tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo, 0, 2); \
     }                                                                                          \
     static __attribute__((noinline)) void rows4_##gs##_##terms(PATH_ARGS) {                    \
         (void)tile_bytes;                                                                      \
@@ -244,19 +258,27 @@ static inline __attribute__((always_inline)) void tile_rows8(
     }                                                                                          \
     static __attribute__((noinline)) void two_tiles_##gs##_##terms(PATH_ARGS) {                \
         tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 2, 1, gs, terms,  \
-                   lut, lut_lo);                                                               \
+                   lut, lut_lo, 0, 4);                                                         \
     }                                                                                          \
     static __attribute__((noinline)) void rows2_##gs##_##terms(PATH_ARGS) {                    \
         tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, 2, gs, terms,  \
-                   lut, lut_lo);                                                               \
+                   lut, lut_lo, 0, 4);                                                         \
     }                                                                                          \
     static __attribute__((noinline)) void rows1_##gs##_##terms(PATH_ARGS) {                    \
         tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, 1, gs, terms,  \
-                   lut, lut_lo);                                                               \
+                   lut, lut_lo, 0, 4);                                                         \
     }                                                                                          \
-    static const RowPath paths_##gs##_##terms[5] = {                                           \
-        rows8_##gs##_##terms, rows4_##gs##_##terms, two_tiles_##gs##_##terms,                  \
-        rows2_##gs##_##terms, rows1_##gs##_##terms};
+    HALF_PATH(gs, terms, 1, lo, 0, 2)                                                          \
+    HALF_PATH(gs, terms, 1, hi, 2, 4)                                                          \
+    HALF_PATH(gs, terms, 2, lo, 0, 2)                                                          \
+    HALF_PATH(gs, terms, 2, hi, 2, 4)                                                          \
+    HALF_PATH(gs, terms, 8, lo, 0, 2)                                                          \
+    HALF_PATH(gs, terms, 8, hi, 2, 4)                                                          \
+    static const RowPath paths_##gs##_##terms[11] = {                                          \
+        rows8_##gs##_##terms,    rows4_##gs##_##terms,    two_tiles_##gs##_##terms,            \
+        rows2_##gs##_##terms,    rows1_##gs##_##terms,    half1_lo_##gs##_##terms,             \
+        half1_hi_##gs##_##terms, half2_lo_##gs##_##terms, half2_hi_##gs##_##terms,             \
+        half8_lo_##gs##_##terms, half8_hi_##gs##_##terms};
 
 typedef void (*RowPath)(PATH_ARGS);
 ROW_PATHS(32, 0)
@@ -266,7 +288,8 @@ ROW_PATHS(16, 1)
 ROW_PATHS(32, 2)
 ROW_PATHS(16, 2)
 
-/* the paths of one (group size, codebook terms): 8 rows, 4, two tiles of 1, 2, 1 */
+/* the paths of one (group size, codebook terms): 8 rows, 4, two tiles of 1, 2, 1; then half
+ * tiles: 1 row low half, high half, 2 rows low, high, 8 rows low, high */
 static inline const RowPath *row_paths(const int GS, const int USE_LUT) {
     if (USE_LUT == 0) return GS == 32 ? paths_32_0 : paths_16_0;
     if (USE_LUT == 1) return GS == 32 ? paths_32_1 : paths_16_1;
@@ -301,6 +324,29 @@ static inline __attribute__((always_inline)) void tile_unit(
     }
 }
 
+/* Half h (rows 32 h .. 32 h + 31) of tile t for the M rows of x, eight (then two, one) rows
+ * at a time (operands of int4_mm_avx512) */
+static inline __attribute__((always_inline)) void half_unit(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
+    int64_t t, int h, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
+    float out[8 * TILE];
+    const RowPath *paths = row_paths(GS, USE_LUT);
+    const int64_t n0 = t * TILE + 32 * h, rows = N - n0 < 32 ? N - n0 : 32;
+    for (int64_t m = 0; m < M;) {
+        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 2 ? 2 : 1;
+        paths[(mr == 8 ? 9 : mr == 2 ? 7 : 5) + h](packed + t * tile_bytes, tile_bytes, sz,
+                                                   t * TILE, x + m * ldx, ldx, K, groups,
+                                                   xsum + m * groups, out, lut, lut_lo);
+        for (int64_t j = 0; j < mr; j++)
+            for (int64_t r = 0; r < rows; r += 16)
+                store_floats_bf16(out + j * TILE + 32 * h + r, y + (m + j) * ldy + n0 + r,
+                                  rows - r);
+        m += mr;
+    }
+}
+
 /* All tiles for the M rows of x, with groups of GS columns (operands of int4_mm_avx512). */
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -309,16 +355,26 @@ static inline __attribute__((always_inline)) void tile_loop(
     const int64_t tiles = n_pad / TILE;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
-     * takes an equal share of tiles (9 tiles on 2 threads: 4 and 5, where pairs of tiles as
-     * the unit of a static schedule gave 6 and 3) */
+     * takes an equal share of half tiles (pairs of tiles as the unit of a static schedule
+     * gave 9 tiles on 2 threads as 6 and 3, whole tiles as 4 and 5) */
     const int64_t step = M == 1 ? 2 : 1;
 #pragma omp parallel
     {
+        /* the shares are of half tiles: where the tiles do not split evenly (9 tiles on 2
+         * threads), a tile's two halves go to two threads (both read its bytes; each sums
+         * its rows), so that neither waits a whole tile for the other at 8 rows */
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t t_end = tiles * (id + 1) / nth;
-        for (int64_t t = tiles * id / nth; t < t_end; t += step)
+        const int64_t u0 = 2 * tiles * id / nth, u1 = 2 * tiles * (id + 1) / nth;
+        const int64_t t_end = u1 / 2;
+        if (u0 % 2 && u0 < u1)
+            half_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, GS, USE_LUT,
+                      lut, lut_lo);
+        for (int64_t t = (u0 + 1) / 2; t < t_end; t += step)
             tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
                       t_end - t < step ? t_end - t : step, GS, USE_LUT, lut, lut_lo);
+        if (u1 % 2 && u0 < u1)
+            half_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u1 / 2, 0, GS, USE_LUT,
+                      lut, lut_lo);
     }
 }
 

@@ -72,7 +72,9 @@ def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.mark.parametrize("offsets", [True, False])  # False: fp16 scales alone (Q4_0, Q8_0)
 @pytest.mark.parametrize("group", [32, 16])  # 16: Q2_K, Q3_K, Q6_K
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("out", [64, 96, 200])  # 96, 200: the last tile is padded
+# 96, 200: the last tile is padded; 64, 320: an odd number of tiles, whose middle one's two
+# halves go to two threads
+@pytest.mark.parametrize("out", [64, 96, 200, 320])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 40])  # 17, 40: AMX row blocks of 16
 def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
                                    matmul_path: str, offsets: bool) -> None:
