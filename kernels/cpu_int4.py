@@ -67,20 +67,15 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     return y
 
 
-def int8_logits_available() -> bool:
-    """Whether `int8_logits` runs here (the native kernels' AVX-512 build: VNNI)."""
-    return cpu_native.available() and cpu_native.isa() == "avx512"
-
-
 def int8_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 out_features: int) -> torch.Tensor:
     """fp32 x @ W.T for a grouped int8 weight in two planes with fp16 scales (an LM head in
     Q8_0; `scales_layout` half, groups of 32), for logits: x rounded per group of 32 columns to
-    16-bit integers, integer products summed exactly (`int8_logits_ref`). Call
-    `int8_logits_available()` first. x: bf16 [M, in]; packed: uint8 [out_padded, in];
-    scales: fp16 [in / 32, out_padded] -> fp32 [M, out_features]."""
+    16-bit integers, integer products summed exactly (`int8_logits_ref`; both builds give the
+    same logits). Call `cpu_native.available()` first. x: bf16 [M, in]; packed: uint8
+    [out_padded, in]; scales: fp16 [in / 32, out_padded] -> fp32 [M, out_features]."""
     lib = cpu_native.library()
-    assert lib is not None and int8_logits_available(), "int8_logits is not available"
+    assert lib is not None, "native kernels are not available"
     m, k, n_pad, layout = _matmul_operands("int8_logits", x, packed, scales, out_features, 2)
     if layout != (32, HALF):
         raise ValueError("int8_logits: the weight needs fp16 scales for groups of 32")

@@ -1,11 +1,10 @@
 /* int8_logits: fp32 logits from a grouped int8 weight with fp16 scales (an LM head in Q8_0:
  * two nibble planes, q = 16 h + l; layout in cpu_int4.h), on AVX-512 VNNI's 16-bit integer
- * products (vpdpwssd).
+ * products (vpdpwssd). The AVX2 build's (cpu_int8_logits_avx2.c) computes the same numbers.
  *
- * Each row of x is rounded, per group of 32 columns, to 16-bit integers: with a = max |x| over
- * the group, v = rint(x * (32767 / a)) and the group's scale sx = a / 32767 (a = 0: v = 0,
- * sx = 0). The weight's bytes are rebuilt into u = 16 h + l = q + 128 (0..255), so that per
- * group, exactly in int32 (|sum| < 32 * 255 * 32767 < 2^31),
+ * Each row of x is rounded, per group of 32 columns, to 16-bit integers v with a scale sx
+ * (cpu_int8_rows.h). The weight's bytes are rebuilt into u = 16 h + l = q + 128 (0..255), so
+ * that per group, exactly in int32 (|sum| < 32 * 255 * 32767 < 2^31),
  *     A = sum_k u v - 128 sum_k v = sum_k q v
  * and the logit of output row n is, in fp32, over the groups in order,
  *     y += float(A) * (s[n] * sx)
@@ -15,12 +14,12 @@
  * stay fp32. The decode is 4 operations per 64 weights (the bf16 path's u took 14).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "cpu_int4.h"
+#include "cpu_int8_rows.h"
 #include "cpu_kernels.h"
 
 #define GS 32
@@ -32,28 +31,6 @@
 static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
-}
-
-/* row m of x rounded per group (see above): v int16 [K], sx fp32 [K / 32], corr int32
- * [K / 32] = 128 * sum_k v */
-static void round_row(const uint16_t *x, int64_t K, int16_t *v, float *sx, int32_t *corr) {
-    for (int64_t g = 0; g < K / GS; g++) {
-        float f[GS], a = 0.0f;
-        for (int k = 0; k < GS; k++) {
-            const uint32_t bits = (uint32_t)x[g * GS + k] << 16;
-            __builtin_memcpy(&f[k], &bits, 4);
-            a = fmaxf(a, fabsf(f[k]));
-        }
-        int32_t sum = 0;
-        const float inv = a > 0.0f ? 32767.0f / a : 0.0f;
-        for (int k = 0; k < GS; k++) {
-            const int32_t q = (int32_t)rintf(f[k] * inv);
-            v[g * GS + k] = (int16_t)q;
-            sum += q;
-        }
-        sx[g] = a / 32767.0f;
-        corr[g] = 128 * sum;
-    }
 }
 
 /* Column pair kp of a 64-row tile: the (k, k+1) words of u for rows 16 j .. 16 j + 15 of the
@@ -202,15 +179,11 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
                 const uint16_t *scales, int64_t N, int64_t n_pad, float *y, int64_t ldy) {
     if (K % GS || n_pad % TILE) return -2;
     const int64_t groups = K / GS;
-    int16_t *v = aligned_alloc(64, (M * K * 2 + 63) / 64 * 64);
-    float *sx = malloc(sizeof(float) * M * groups);
-    int32_t *corr = malloc(sizeof(int32_t) * M * groups);
-    if (!v || !sx || !corr) {
-        free(v), free(sx), free(corr);
-        return -1;
-    }
-    for (int64_t m = 0; m < M; m++)
-        round_row(x + m * ldx, K, v + m * K, sx + m * groups, corr + m * groups);
+    RoundedRows rr;
+    if (round_rows(x, M, K, ldx, &rr)) return -1;
+    const int16_t *v = rr.v;
+    const float *sx = rr.sx;
+    const int32_t *corr = rr.corr;
     const int64_t tiles = n_pad / TILE, tile_bytes = 2 * K * 32;
 #pragma omp parallel
     {
@@ -242,6 +215,6 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
             }
         }
     }
-    free(v), free(sx), free(corr);
+    free_rows(&rr);
     return 0;
 }

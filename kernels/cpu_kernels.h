@@ -58,8 +58,9 @@ void int4_refine_half(float *logits, int64_t ldl, int64_t M, int64_t N, const ui
 
 /* fp32 logits y[M][ldy] (N written) = x @ W^T for a grouped int8 weight (groups of 32) in two
  * nibble planes with fp16 scales sz [K / 32][n_pad] (Q8_0), x bf16 [M][ldx] rounded per group to
- * 16-bit integers, integer products summed exactly (cpu_int8_logits.c: AVX-512 VNNI, so in
- * the avx512 build only). Returns 0, -1 if out of memory, -2 for K or n_pad off the layout. */
+ * 16-bit integers, integer products summed exactly (cpu_int8_logits.c, AVX-512 VNNI;
+ * cpu_int8_logits_avx2.c: the same numbers). Returns 0, -1 if out of memory, -2 for K or n_pad
+ * off the layout. */
 int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                 const uint16_t *sz, int64_t N, int64_t n_pad, float *y, int64_t ldy);
 

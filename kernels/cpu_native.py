@@ -12,7 +12,8 @@ family:
   matmuls straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's
   matmul; `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
   refined logits, embedding lookups); `int8_logits`, a Q8_0 LM head's fp32 logits from x
-  rounded to 16 bits per group (VNNI integer products; the avx512 build only);
+  rounded to 16 bits per group (16-bit integer products: VNNI, or vpmaddwd in the AVX2 build,
+  the same numbers); `int4_refine_half`, the best logits recomputed from the exact rows;
 - `cpu_ops`: `rms_norm` (optionally adding into the residual stream first), `silu_mul`,
   `rope_`, `kv_store`, `decode_attention` (paged, online softmax) and `top_k`;
 - `cpu_layers`: `DecoderStack.run`, every layer of a decode step in one call, through the
@@ -55,12 +56,14 @@ SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_u8.c", "cpu_int4_amx.c",
                      "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
                      "cpu_layers.c"),
-    "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_ops_avx2.c", "cpu_layers.c"),
+    "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_int8_logits_avx2.c",
+                   "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {
-    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_paged.h",
-                     "cpu_simd.h"),
-    "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_paged.h", "cpu_simd_avx2.h"),
+    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int8_rows.h",
+                     "cpu_paged.h", "cpu_simd.h"),
+    "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_int8_rows.h", "cpu_paged.h",
+                   "cpu_simd_avx2.h"),
 }
 ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",
@@ -68,7 +71,6 @@ ISA_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
 }
 CPU_FLAGS = ISA_FLAGS["avx512"]
-AVX512_ONLY = ("int8_logits",)  # exported by the avx512 build alone
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # AMX is opt-in (LOCALLLM_AMX=1): it makes batched decode 1.5x faster, but a row's result
 # then differs (at fp32 rounding) between running alone and in a batch (see `amx_enabled`)
@@ -258,8 +260,6 @@ def _library_of(name: str) -> ctypes.CDLL | None:
                            i64], ctypes.c_int),
     }
     for fn_name, (args, res) in signatures.items():
-        if fn_name in AVX512_ONLY and name != "avx512":
-            continue
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, res
     lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_FLAGS)))

@@ -22,19 +22,9 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU k
                                 "x86-64 AVX2 + FMA + F16C (or AVX-512) and a C compiler")
 
 
-@pytest.fixture
-def avx512() -> Iterator[None]:
-    if not cpu_native.isa_supported("avx512"):
-        pytest.skip("int8_logits is in the avx512 build: this CPU has no AVX-512 BF16/VNNI")
-    assert cpu_native.set_isa("avx512") == "avx512"
-    assert cpu_int4.int8_logits_available()
-    yield
-    cpu_native.set_isa(None)
-
-
 @pytest.fixture(params=cpu_native.isas_available() or ("none",))
 def each_isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each build of the kernels this CPU runs (the refine is plain C, in both)."""
+    """Each build of the kernels this CPU runs (AVX-512 and AVX2 on the bigger CPUs)."""
     if request.param == "none":
         pytest.skip("no native build runs here")
     assert cpu_native.set_isa(str(request.param)) == request.param
@@ -58,7 +48,7 @@ def hidden(rows: int, inp: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("out", [64, 96, 200])  # 96, 200: the last tile is padded
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])  # 1: two tiles at a time; 17: 8 + 8 + 1
 @pytest.mark.parametrize("inp", [64, 576])
-def test_int8_logits_match_reference_and_the_exact_product(avx512: None, out: int, rows: int,
+def test_int8_logits_match_reference_and_the_exact_product(each_isa: str, out: int, rows: int,
                                                           inp: int) -> None:
     w, dense = q8_head(out, inp, seed=out + inp)
     x = hidden(rows, inp, seed=rows)
@@ -76,7 +66,7 @@ def test_int8_logits_match_reference_and_the_exact_product(avx512: None, out: in
     assert (got - exact).abs().max() < (exact.bfloat16().float() - exact).abs().max()
 
 
-def test_a_row_gets_the_same_logits_alone_and_in_any_batch(avx512: None) -> None:
+def test_a_row_gets_the_same_logits_alone_and_in_any_batch(each_isa: str) -> None:
     w, _ = q8_head(200, 576, seed=1)
     x = hidden(19, 576, seed=2)
     whole = cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 200)
@@ -87,7 +77,7 @@ def test_a_row_gets_the_same_logits_alone_and_in_any_batch(avx512: None) -> None
     assert torch.equal(whole, alone) and torch.equal(whole, threes)
 
 
-def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(avx512: None) -> None:
+def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(each_isa: str) -> None:
     w, _ = q8_head(128, 64)
     x = hidden(3, 64)
     assert torch.equal(w.logits(x), cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 128))
@@ -101,17 +91,19 @@ def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(avx512: No
         cpu_int4.int8_logits(x, offsets.packed, offsets.scales_zeros, 128)
 
 
-def test_the_avx2_build_keeps_int4_mm_for_the_head() -> None:
-    if not cpu_native.isa_supported("avx2"):
-        pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    assert cpu_native.set_isa("avx2") == "avx2"
+def test_both_builds_give_the_same_logits() -> None:
+    if not all(cpu_native.isa_supported(n) for n in ("avx512", "avx2")):
+        pytest.skip("needs a CPU that runs both builds (AVX-512 BF16/VBMI/VNNI)")
+    w, _ = q8_head(200, 576, seed=4)
+    x = hidden(11, 576, seed=5)
+    got = {}
     try:
-        assert not cpu_int4.int8_logits_available()
-        w, _ = q8_head(128, 64)
-        x = hidden(3, 64)
-        assert torch.equal(w.logits(x), w.matmul(x).float()) and not w.fine_logits
+        for isa in ("avx512", "avx2"):
+            assert cpu_native.set_isa(isa) == isa
+            got[isa] = cpu_int4.int8_logits(x, w.packed, w.scales_zeros, 200)
     finally:
         cpu_native.set_isa(None)
+    assert torch.equal(got["avx512"], got["avx2"])
 
 
 @pytest.mark.parametrize("planes", [1, 2])  # Q4_0-like, Q8_0-like

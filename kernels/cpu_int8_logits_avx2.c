@@ -1,0 +1,150 @@
+/* int8_logits of the AVX2 build (AVX2 + FMA + F16C): the numbers of cpu_int8_logits.c (which
+ * describes them) with vpmaddwd's 16-bit integer products instead of vpdpwssd.
+ *
+ * x's rows are rounded as in cpu_int8_rows.h; per group of 32 columns the integer sum
+ * A = sum_k u v - corr is exact in int32, then y += float(A) * (s * sx) in fp32, group by
+ * group: the same operations in the same order as the AVX-512 build, so both give the same
+ * logits, a row alone or in any batch.
+ *
+ * A column pair's bytes (two nibble planes, cpu_int4.h) become u = 16 h + l for 64 rows, the
+ * two columns' bytes of each row interleaved and widened to 16 bits in place (in-lane
+ * unpacks), so that the 8 lanes of W[j] hold rows 4j..4j+3 and 16+4j..16+4j+3 of a half tile
+ * (rows 32 half + ...): the scales are read and the sums stored in that order.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_int8_rows.h"
+#include "cpu_kernels.h"
+
+#define TILE 64
+#define GS INT8_GROUP
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+#define LOGIT_PREFETCH_GROUPS 4
+
+/* Column pair (k, k+1) at ph (plane H; plane L K * 32 bytes on) of a tile's half `half` ->
+ * W[0..3]: the (k, k+1) words of u for the rows above (one row per 32-bit lane) */
+static inline __attribute__((always_inline)) void u_words8(const uint8_t *ph, int64_t K,
+                                                          const int half, __m256i W[4]) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi4 = _mm256_set1_epi8((char)0xF0);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i u[2]; /* column k, column k + 1: bytes = rows 32 half + 0..31 */
+    for (int c = 0; c < 2; c++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(ph + 32 * c));
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(ph + K * 32 + 32 * c));
+        u[c] = half ? _mm256_or_si256(_mm256_and_si256(h, hi4),
+                                      _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4))
+                    : _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 4), hi4),
+                                      _mm256_and_si256(l, lo4));
+    }
+    const __m256i p0 = _mm256_unpacklo_epi8(u[0], u[1]); /* rows 0-7 | 16-23, (k, k+1) */
+    const __m256i p1 = _mm256_unpackhi_epi8(u[0], u[1]); /* rows 8-15 | 24-31 */
+    W[0] = _mm256_unpacklo_epi8(p0, zero);               /* rows 0-3 | 16-19 */
+    W[1] = _mm256_unpackhi_epi8(p0, zero);               /* rows 4-7 | 20-23 */
+    W[2] = _mm256_unpacklo_epi8(p1, zero);               /* rows 8-11 | 24-27 */
+    W[3] = _mm256_unpackhi_epi8(p1, zero);               /* rows 12-15 | 28-31 */
+}
+
+/* the 8 rows of W[j]: rows r .. r+3 and r+16 .. r+19, r = 32 half + 4 j, of the tile at row0 */
+static inline __m256 scales8(const uint16_t *scales, int64_t n_pad, int64_t g, int64_t row) {
+    const uint16_t *p = scales + g * n_pad + row;
+    const __m128i a = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(p + 16));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
+}
+
+/* Half `half` of one tile for MR (1 or 2) rows of x, added into out[m][64] (fp32) */
+static inline __attribute__((always_inline)) void half_rows(
+    const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,
+    const int16_t *v, const float *sx, const int32_t *corr, float *out, const int MR,
+    const int half) {
+    const int64_t groups = K / GS;
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + LOGIT_PREFETCH_GROUPS < groups)
+            _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0 +
+                                        32 * half),
+                         _MM_HINT_T0);
+        __m256i a[2][4];
+        for (int m = 0; m < MR; m++)
+            for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
+        for (int kp = 0; kp < GS / 2; kp++) {
+            const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;
+            if (half == 0) {
+                _mm_prefetch((const char *)ph + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, _MM_HINT_T0);
+            }
+            __m256i W[4];
+            u_words8(ph, K, half, W);
+            for (int m = 0; m < MR; m++) {
+                const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
+                for (int j = 0; j < 4; j++)
+                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(W[j], xb));
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            const int64_t r = 32 * half + 4 * j;
+            const __m256 s = scales8(scales, n_pad, g, row0 + r);
+            for (int m = 0; m < MR; m++) {
+                const __m256i A = _mm256_sub_epi32(a[m][j], _mm256_set1_epi32(corr[m * groups + g]));
+                const __m256 sc = _mm256_mul_ps(s, _mm256_set1_ps(sx[m * groups + g]));
+                float *o = out + m * TILE + r;
+                const __m256 y = _mm256_set_m128(_mm_loadu_ps(o + 16), _mm_loadu_ps(o));
+                const __m256 z = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), sc, y);
+                _mm_storeu_ps(o, _mm256_castps256_ps128(z));
+                _mm_storeu_ps(o + 16, _mm256_extractf128_ps(z, 1));
+            }
+        }
+    }
+}
+
+#define HALF_ARGS                                                                              \
+    const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,       \
+        const int16_t *v, const float *sx, const int32_t *corr, float *out
+#define HALF(name, mr, half)                                                                   \
+    static __attribute__((noinline)) void name(HALF_ARGS) {                                    \
+        half_rows(tile, scales, n_pad, row0, K, v, sx, corr, out, mr, half);                   \
+    }
+HALF(rows1_lo, 1, 0)
+HALF(rows1_hi, 1, 1)
+HALF(rows2_lo, 2, 0)
+HALF(rows2_hi, 2, 1)
+
+int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                const uint16_t *scales, int64_t N, int64_t n_pad, float *y, int64_t ldy) {
+    if (K % GS || n_pad % TILE) return -2;
+    const int64_t groups = K / GS;
+    RoundedRows rr;
+    if (round_rows(x, M, K, ldx, &rr)) return -1;
+    const int64_t tiles = n_pad / TILE, tile_bytes = 2 * K * 32;
+#pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        float out[2 * TILE];
+        for (int64_t t = tiles * id / nth; t < tiles * (id + 1) / nth; t++) {
+            const uint8_t *tile = packed + t * tile_bytes;
+            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t m = 0; m < M; m += 2) { /* rows of x two at a time */
+                const int64_t mr = M - m >= 2 ? 2 : 1;
+                const int16_t *vm = rr.v + m * K;
+                const float *sm = rr.sx + m * groups;
+                const int32_t *cm = rr.corr + m * groups;
+                for (int i = 0; i < 2 * TILE; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+                if (mr == 2) {
+                    rows2_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                    rows2_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                } else {
+                    rows1_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                    rows1_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                }
+                for (int64_t j = 0; j < mr; j++)
+                    for (int64_t r = 0; r < rows; r++) y[(m + j) * ldy + n0 + r] = out[j * TILE + r];
+            }
+        }
+    }
+    free_rows(&rr);
+    return 0;
+}
