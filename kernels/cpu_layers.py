@@ -138,6 +138,8 @@ class DecoderStack:
                                   int(d.neox), d.intermediate, 0, 0, d.eps, d.scale)
 
     def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if pools is self._pools:  # the caller's list of the last call (its tensors held here)
+            return
         key = tuple(t.data_ptr() for kv in pools for t in kv)
         if key == self._pool_key:
             return
@@ -162,7 +164,8 @@ class DecoderStack:
             sin: torch.Tensor) -> torch.Tensor:
         """x: bf16 [M, hidden] embeddings of M sequences' next tokens -> final normalized
         hidden states [M, hidden] (x itself, overwritten). positions, slots, context_lens:
-        int64 [M]; block_tables: int64 [M, width]; cos, sin: fp32 [rows, rope_dim / 2]."""
+        int64 [M]; block_tables: int64 [M, width]; cos, sin: fp32 [rows, rope_dim / 2];
+        pools: each layer's (K, V) pool, the list of the last call taken as unchanged."""
         lib = cpu_native.library()
         assert lib is not None
         self._set_pools(pools)

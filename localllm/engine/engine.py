@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import NamedTuple
 
@@ -205,7 +206,7 @@ class LLMEngine:
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
         # each row's best logit must be finite (a full isfinite pass costs 0.4 ms a step)
         best = self.runner.backend.argmax(logits)
-        if not torch.isfinite(logits.gather(1, best[:, None])).all():
+        if not all(map(math.isfinite, logits.gather(1, best[:, None]).view(-1).tolist())):
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling, best)
         rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]

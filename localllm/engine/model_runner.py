@@ -127,6 +127,8 @@ class ModelRunner:
                 sampling.append(s.request)
         if not last:
             return torch.empty(0, self.cfg.vocab_size, device=self.device), sampling
+        if len(last) == hidden.shape[0]:  # a decode-only step: every row samples
+            return self.logits(hidden), sampling
         idx = torch.tensor(last, dtype=torch.long, device=self.device)
         return self.logits(hidden[idx]), sampling
 
