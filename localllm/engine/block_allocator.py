@@ -1,9 +1,10 @@
 """Reference counts of the KV pool's blocks and the queue of blocks no request owns.
 
-The queue is in the order blocks are handed out: never-used blocks first, by id, then blocks in
-the order their last owner let go of them. It knows nothing of hashes: a block the prefix cache
-still indexes stays in the queue, and the block manager evicts it from the cache when it reaches
-the front.
+The queue is in the order blocks are handed out: blocks released to the front (by the block
+manager: those the prefix cache does not index, whose pages are already resident), then
+never-used blocks, by id, then blocks in the order their last owner let go of them. It knows
+nothing of hashes: a block the prefix cache still indexes stays in the queue, and the block
+manager evicts it from the cache when it reaches the front.
 
 NOTE: only the `BlockManager` calls `take`, `acquire` and `release`.
 """
@@ -37,13 +38,16 @@ class BlockAllocator:
             del self.free_ids[block_id]
         self.ref_counts[block_id] += 1
 
-    def release(self, block_id: int) -> bool:
-        """One owner less; a block left without owners joins the back of the free queue."""
+    def release(self, block_id: int, front: bool = False) -> bool:
+        """One owner less; a block left without owners joins the back of the free queue (the
+        front with `front`: the next one handed out)."""
         if self.ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} has no owner to release")
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
             self.free_ids[block_id] = None
+            if front:
+                self.free_ids.move_to_end(block_id, last=False)
             return True
         return False
 

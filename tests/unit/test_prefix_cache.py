@@ -196,6 +196,16 @@ def test_allocator_hands_out_in_release_order() -> None:
         alloc.check_integrity({2: 1})
 
 
+def test_a_block_released_to_the_front_is_handed_out_next() -> None:
+    alloc = BlockAllocator(4)
+    a, b = alloc.take(), alloc.take()
+    assert (a, b) == (0, 1) and list(alloc.free_ids) == [2, 3]
+    alloc.release(a)  # to the back: the order of release
+    alloc.release(b, front=True)  # to the front: resident, nothing cached in it
+    assert list(alloc.free_ids) == [1, 2, 3, 0]
+    assert alloc.take() == 1
+
+
 def test_block_manager_evicts_least_recently_freed_tail_first() -> None:
     bm = BlockManager(num_blocks=6, block_size=2, fingerprint="test-model")
     a = Request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
@@ -205,10 +215,12 @@ def test_block_manager_evicts_least_recently_freed_tail_first() -> None:
     assert bm.cache.size_info == SizeInfo(evictable=0, locked=3)
     bm.free(a)  # blocks 0, 1, 2 stay cached, 3 does not; all released tail first
     bm.check_invariants([])
-    assert list(bm.free_ids) == [4, 5, 3, 2, 1, 0]
+    # 3, uncached and resident, is handed out first, then the never-used blocks, then the
+    # cached ones, least recently freed first
+    assert list(bm.free_ids) == [3, 4, 5, 2, 1, 0]
     assert bm.match_prefix([1, 2, 3, 4, 5, 6, 9]).block_ids == (0, 1, 2)
     b = Request([7] * 8, SamplingParams(max_tokens=1, temperature=0))
-    assert bm.allocate(b, 8) and b.block_table == [4, 5, 3, 2]  # 2: the cached tail block
+    assert bm.allocate(b, 8) and b.block_table == [3, 4, 5, 2]  # 2: the cached tail block
     assert bm.match_prefix([1, 2, 3, 4, 5, 6, 9]).block_ids == (0, 1)
     c = Request([1, 2, 3], SamplingParams(max_tokens=1, temperature=0))
     hits = bm.match_prefix(c.all_token_ids)
