@@ -296,53 +296,35 @@ static inline const RowPath *row_paths(const int GS, const int USE_LUT) {
     return GS == 32 ? paths_32_2 : paths_16_2;
 }
 
-/* nt (1 or 2) consecutive tiles from tile t for the M rows of x (operands of int4_mm_avx512) */
+/* nt (1 or 2) consecutive tiles from tile t for the M rows of x, or with half = 0 or 1 (nt 1)
+ * only rows 32 half .. 32 half + 31 of tile t (operands of int4_mm_avx512) */
 static inline __attribute__((always_inline)) void tile_unit(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
-    int64_t t, int64_t nt, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    int64_t t, int64_t nt, int half, const int GS, const int USE_LUT, __m512i lut,
+    __m512i lut_lo) {
     const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
     float out[8 * TILE];
     const uint8_t *tile = packed + t * tile_bytes;
-    const int64_t row0 = t * TILE;
+    const int64_t row0 = t * TILE, first = half < 0 ? 0 : 32 * half; /* rows of a tile stored */
+    const int64_t span = half < 0 ? TILE : 32;
+    const RowPath *paths = row_paths(GS, USE_LUT);
     for (int64_t m = 0; m < M;) {
-        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-        const uint16_t *xm = x + m * ldx;
-        const float *xs = xsum + m * groups;
-        const RowPath *paths = row_paths(GS, USE_LUT);
-        const int which = mr == 8 ? 0 : mr == 4 ? 1 : nt == 2 ? 2 : mr == 2 ? 3 : 4;
-        paths[which](tile, tile_bytes, sz, row0, xm, ldx, K, groups, xs, out, lut, lut_lo);
+        /* half tiles: 8, 2 or 1 rows of x at a time (paths 9, 7, 5 + half) */
+        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : half < 0 && M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        const int which = half >= 0 ? (mr == 8 ? 9 : mr == 2 ? 7 : 5) + half
+                          : mr == 8 ? 0 : mr == 4 ? 1 : nt == 2 ? 2 : mr == 2 ? 3 : 4;
+        paths[which](tile, tile_bytes, sz, row0, x + m * ldx, ldx, K, groups, xsum + m * groups,
+                     out, lut, lut_lo);
         /* out holds (tile i, row m + j) at (i * mr + j) * 64 */
         for (int64_t i = 0; i < nt; i++) {
-            const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            const int64_t n0 = (t + i) * TILE + first;
+            const int64_t rows = N - n0 < span ? N - n0 : span;
             for (int64_t j = 0; j < mr; j++)
                 for (int64_t r = 0; r < rows; r += 16)
-                    store_floats_bf16(out + (i * mr + j) * TILE + r,
+                    store_floats_bf16(out + (i * mr + j) * TILE + first + r,
                                       y + (m + j) * ldy + n0 + r, rows - r);
         }
-        m += mr;
-    }
-}
-
-/* Half h (rows 32 h .. 32 h + 31) of tile t for the M rows of x, eight (then two, one) rows
- * at a time (operands of int4_mm_avx512) */
-static inline __attribute__((always_inline)) void half_unit(
-    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
-    int64_t t, int h, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
-    const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
-    float out[8 * TILE];
-    const RowPath *paths = row_paths(GS, USE_LUT);
-    const int64_t n0 = t * TILE + 32 * h, rows = N - n0 < 32 ? N - n0 : 32;
-    for (int64_t m = 0; m < M;) {
-        const int64_t mr = ROWS8 && M - m >= 8 ? 8 : M - m >= 2 ? 2 : 1;
-        paths[(mr == 8 ? 9 : mr == 2 ? 7 : 5) + h](packed + t * tile_bytes, tile_bytes, sz,
-                                                   t * TILE, x + m * ldx, ldx, K, groups,
-                                                   xsum + m * groups, out, lut, lut_lo);
-        for (int64_t j = 0; j < mr; j++)
-            for (int64_t r = 0; r < rows; r += 16)
-                store_floats_bf16(out + j * TILE + 32 * h + r, y + (m + j) * ldy + n0 + r,
-                                  rows - r);
         m += mr;
     }
 }
@@ -367,13 +349,13 @@ static inline __attribute__((always_inline)) void tile_loop(
         const int64_t u0 = 2 * tiles * id / nth, u1 = 2 * tiles * (id + 1) / nth;
         const int64_t t_end = u1 / 2;
         if (u0 % 2 && u0 < u1)
-            half_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, GS, USE_LUT,
+            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, 1, GS, USE_LUT,
                       lut, lut_lo);
         for (int64_t t = (u0 + 1) / 2; t < t_end; t += step)
             tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
-                      t_end - t < step ? t_end - t : step, GS, USE_LUT, lut, lut_lo);
+                      t_end - t < step ? t_end - t : step, -1, GS, USE_LUT, lut, lut_lo);
         if (u1 % 2 && u0 < u1)
-            half_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u1 / 2, 0, GS, USE_LUT,
+            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u1 / 2, 1, 0, GS, USE_LUT,
                       lut, lut_lo);
     }
 }

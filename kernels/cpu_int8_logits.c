@@ -177,10 +177,10 @@ static void tile_rows(PART_ARGS, int64_t mr) {
 
 int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                 const uint16_t *scales, int64_t N, int64_t n_pad, float *y, int64_t ldy) {
-    if (K % GS || n_pad % TILE) return -2;
-    const int64_t groups = K / GS;
     RoundedRows rr;
-    if (round_rows(x, M, K, ldx, &rr)) return -1;
+    const int rc = logits_rows(x, M, K, ldx, n_pad, &rr);
+    if (rc) return rc;
+    const int64_t groups = K / GS;
     const int16_t *v = rr.v;
     const float *sx = rr.sx;
     const int32_t *corr = rr.corr;

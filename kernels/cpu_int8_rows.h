@@ -57,4 +57,12 @@ static int round_rows(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, Roun
 
 static void free_rows(RoundedRows *r) { free(r->v), free(r->sx), free(r->corr); }
 
+/* int8_logits' operands checked (K a multiple of 32, n_pad of 64) and x's rows rounded:
+ * 0, -1 if out of memory, -2 for K or n_pad off the layout */
+static int logits_rows(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t n_pad,
+                       RoundedRows *r) {
+    if (K % INT8_GROUP || n_pad % 64) return -2;
+    return round_rows(x, M, K, ldx, r);
+}
+
 #endif
