@@ -342,11 +342,14 @@ static inline __attribute__((always_inline)) void tile_loop(
     const int64_t step = M == 1 ? 2 : 1;
 #pragma omp parallel
     {
-        /* the shares are of half tiles: where the tiles do not split evenly (9 tiles on 2
-         * threads), a tile's two halves go to two threads (both read its bytes; each sums
-         * its rows), so that neither waits a whole tile for the other at 8 rows */
+        /* rows of x beyond one: the shares are of half tiles, so that where the tiles do not
+         * split evenly (9 tiles on 2 threads) a tile's two halves go to two threads (both
+         * read its bytes; each sums its rows) and neither waits a whole tile for the other.
+         * One row reads more than it computes: whole tiles (a half tile of one row only has
+         * two independent sums, and both threads would read it) */
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t u0 = 2 * tiles * id / nth, u1 = 2 * tiles * (id + 1) / nth;
+        const int64_t units = M == 1 ? tiles : 2 * tiles, per = M == 1 ? 2 : 1;
+        const int64_t u0 = units * id / nth * per, u1 = units * (id + 1) / nth * per;
         const int64_t t_end = u1 / 2;
         if (u0 % 2 && u0 < u1)
             tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, 1, GS, USE_LUT,
