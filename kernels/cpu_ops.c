@@ -245,6 +245,12 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
         memset(part + g * stride + 2, 0, sizeof(float) * (size_t)head_dim);
     }
     const uint16_t *krow[SPAN], *vrow[SPAN];
+    { /* the first AHEAD positions, which the spans' prefetches (AHEAD on) never reach: at
+       * 8 sequences of 60-100 positions, 5-7% of the attention from memory */
+        KvCursor pf = kv_cursor(table, p0, block_size, row, kh * head_dim);
+        for (int64_t pos = p0; pos < p1 && pos < p0 + AHEAD; pos++)
+            prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
+    }
     for (int64_t start = p0; start < p1; start += SPAN) {
         const int64_t cn = p1 - start < SPAN ? p1 - start : SPAN;
         KvCursor at = kv_cursor(table, start, block_size, row, kh * head_dim);

@@ -161,6 +161,10 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     }
     float sc[MAX_GROUP][64] __attribute__((aligned(32)));
     float kf[8][8 * MAX_VECS] __attribute__((aligned(32))); /* 8 positions' K in fp32 */
+    if (p0 < p1) /* the first block (each block prefetches the next) */
+        prefetch_block(kpool, vpool, table[p0 / block_size],
+                       p1 - p0 < block_size ? p1 - p0 : block_size, block_size, row,
+                       kh * head_dim, head_dim);
     for (int64_t start = p0; start < p1; start += block_size) {
         const int64_t blk = table[start / block_size];
         const int64_t n = p1 - start < block_size ? p1 - start : block_size;
