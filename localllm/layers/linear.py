@@ -26,6 +26,8 @@ from localllm.quant.formats import Int4Weight, Int8Weight, slice_rows
 
 EMBED_ROWS = 64  # embedding rows unpacked at a time
 TopK = Callable[[torch.Tensor, int], torch.Tensor]  # fp32 [rows, n], k -> int64 [rows, k]
+
+
 class LinearBase(nn.Module):
     """y = x @ W^T (+ b), W [out_features, in_features]."""
 

@@ -162,8 +162,8 @@ class CpuPackedWeight:
     def fine_logits(self) -> bool:
         """Whether `logits` of bf16 x come from `int8_logits`: a Q8_0 head (two planes, fp16
         scales) in fp32 from 16-bit x, within about 2e-3 of the exact products on the default
-        model where bf16-rounded logits are off by up to 0.125 (and faster than `int4_mm`: at 8
-        rows on AVX-512, at 1 row in the AVX2 build; the same path at any batch)."""
+        model where bf16-rounded logits are off by up to 0.125 (and faster than `int4_mm` at 8
+        rows, and at 1 row in the AVX2 build; the same path at any batch)."""
         return (self.planes == 2 and self.half and self.codebook is None
                 and self.group_size == GROUP and cpu_native.available())
 
