@@ -101,10 +101,8 @@ def int8_logits_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     out_features: int) -> torch.Tensor:
     # the same formula in float64: per group the exact integer sum A = sum_k q v, then the
     # logits sum_g A * (s * sx) over the groups (the kernel's fp32 sums differ by rounding)
-    k = x.shape[1]
     v, sx = round_groups_i16(x)
-    c = packed_row_codes(packed, torch.arange(out_features))  # [out, 2K]
-    q = ((c[:, :k] - 8.0) * 16.0 + c[:, k:]).double()  # the int8 weights [out, K]
+    q = packed_row_ints(packed, torch.arange(out_features), 2).double()  # int8 weights [out, K]
     a = torch.einsum("mgk,ngk->mng", v.double().view(len(x), -1, 32), q.view(out_features, -1, 32))
     w = scales[:, :out_features].t().double()  # [out, K / 32]
     return (a * w.unsqueeze(0) * sx.double().unsqueeze(1)).sum(-1).float()
@@ -295,11 +293,18 @@ def packed_row_codes(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
 
 
+def packed_row_ints(packed: torch.Tensor, ids: torch.Tensor, planes: int) -> torch.Tensor:
+    """The integer weights of rows `ids` of a symmetric packed weight (no codebook): c - 8 of
+    one plane, q = 16 (h - 8) + l of two; fp32 [T, in]."""
+    k = packed.shape[1] * 2 // planes
+    c = packed_row_codes(packed, ids)
+    return (c[:, :k] - 8.0) * 16.0 + c[:, k:] if planes == 2 else c - 8.0
+
+
 def int4_rows_half_ref(packed: torch.Tensor, scales: torch.Tensor, planes: int,
                        ids: torch.Tensor) -> torch.Tensor:
     k = packed.shape[1] * 2 // planes
-    c = packed_row_codes(packed, ids)
-    q = (c[:, :k] - 8.0) * 16.0 + c[:, k:] if planes == 2 else c - 8.0
+    q = packed_row_ints(packed, ids, planes)
     gs = k // scales.shape[0]
     # the operation order of Int4Weight / Int8Weight.dequantize: scale * q
     return (q.view(len(ids), -1, gs) * scales[:, ids].t().float().unsqueeze(-1)).view(-1, k)

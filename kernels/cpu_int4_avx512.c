@@ -235,17 +235,17 @@ static inline __attribute__((always_inline)) void tile_rows8(
     const uint8_t *tile, int64_t tile_bytes, const Scales *sz, int64_t row0, const uint16_t *x, \
         int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, __m512i lut,      \
         __m512i lut_lo
-/* one half of a tile (row blocks r0 .. r1 - 1) for mr (1, 2 or 8) rows of x */
+/* one half of a tile (row blocks r0 .. r1 - 1) for mr (1 or 2) rows of x, and for 8 */
 #define HALF_PATH(gs, terms, mr, name, r0, r1)                                                 \
     static __attribute__((noinline)) void half##mr##_##name##_##gs##_##terms(PATH_ARGS) {      \
-        if (mr == 8) {                                                                         \
-            (void)tile_bytes;                                                                  \
-            tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo,   \
-                       r0 / 2, r1 / 2);                                                        \
-        } else {                                                                               \
-            tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, mr % 8,    \
-                       gs, terms, lut, lut_lo, r0, r1);                                        \
-        }                                                                                      \
+        tiles_rows(tile, tile_bytes, sz, row0, x, ldx, K, groups, xsum, out, 1, mr, gs, terms, \
+                   lut, lut_lo, r0, r1);                                                       \
+    }
+#define HALF_PATH8(gs, terms, name, h)                                                         \
+    static __attribute__((noinline)) void half8_##name##_##gs##_##terms(PATH_ARGS) {          \
+        (void)tile_bytes;                                                                      \
+        tile_rows8(tile, sz, row0, x, ldx, K, groups, xsum, out, gs, terms, lut, lut_lo, h,    \
+                   h + 1);                                                                     \
     }
 #define ROW_PATHS(gs, terms)                                                                   \
     static __attribute__((noinline)) void rows8_##gs##_##terms(PATH_ARGS) {                    \
@@ -272,8 +272,8 @@ static inline __attribute__((always_inline)) void tile_rows8(
     HALF_PATH(gs, terms, 1, hi, 2, 4)                                                          \
     HALF_PATH(gs, terms, 2, lo, 0, 2)                                                          \
     HALF_PATH(gs, terms, 2, hi, 2, 4)                                                          \
-    HALF_PATH(gs, terms, 8, lo, 0, 2)                                                          \
-    HALF_PATH(gs, terms, 8, hi, 2, 4)                                                          \
+    HALF_PATH8(gs, terms, lo, 0)                                                               \
+    HALF_PATH8(gs, terms, hi, 1)                                                               \
     static const RowPath paths_##gs##_##terms[11] = {                                          \
         rows8_##gs##_##terms,    rows4_##gs##_##terms,    two_tiles_##gs##_##terms,            \
         rows2_##gs##_##terms,    rows1_##gs##_##terms,    half1_lo_##gs##_##terms,             \
@@ -337,16 +337,16 @@ static inline __attribute__((always_inline)) void tile_loop(
     const int64_t tiles = n_pad / TILE;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
-     * takes an equal share of half tiles (pairs of tiles as the unit of a static schedule
-     * gave 9 tiles on 2 threads as 6 and 3, whole tiles as 4 and 5) */
+     * takes an equal share (pairs of tiles as the unit of a static schedule gave 9 tiles on 2
+     * threads as 6 and 3) */
     const int64_t step = M == 1 ? 2 : 1;
 #pragma omp parallel
     {
-        /* rows of x beyond one: the shares are of half tiles, so that where the tiles do not
-         * split evenly (9 tiles on 2 threads) a tile's two halves go to two threads (both
-         * read its bytes; each sums its rows) and neither waits a whole tile for the other.
-         * One row reads more than it computes: whole tiles (a half tile of one row only has
-         * two independent sums, and both threads would read it) */
+        /* more than one row of x: shares of half tiles, so that where the tiles do not split
+         * evenly (9 tiles on 2 threads: 4.5 and 4.5, not 4 and 5) a tile's two halves go to
+         * two threads (both read its bytes; each sums its rows). One row reads more than it
+         * computes: whole tiles (a half tile of one row has only two independent sums, and
+         * both threads would read it) */
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t units = M == 1 ? tiles : 2 * tiles, per = M == 1 ? 2 : 1;
         const int64_t u0 = units * id / nth * per, u1 = units * (id + 1) / nth * per;

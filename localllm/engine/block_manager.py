@@ -198,8 +198,9 @@ class BlockManager:
         step at 1 and 8 sequences, and the process grows only to the blocks in use at once)."""
         cached: list[int] = []
         for bid in reversed(req.block_table[req.num_released_blocks:]):
-            self.allocator.release(bid, front=bid not in self.cache)
-            if bid in self.cache:
+            indexed = bid in self.cache
+            self.allocator.release(bid, front=not indexed)
+            if indexed:
                 cached.append(bid)
         self.cache.unlock(cached)
         req.block_table = []

@@ -75,7 +75,7 @@ def build(layout: DecoderLayout) -> WholeStep | None:
         return None
 
     pools: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pools_of: list[list[KVCache]] = []  # the caches `pools` was made from (the same each step)
+    pools_of: list[KVCache] | None = None  # the caches `pools` was made from (the same each step)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
              meta: AttentionMetadata) -> torch.Tensor | None:
@@ -87,9 +87,9 @@ def build(layout: DecoderLayout) -> WholeStep | None:
             return None
         cos, sin = layout.rope.tables(max(meta.context_lens), positions.device)
         x = layout.embed.embed(input_ids)
-        nonlocal pools
-        if not pools_of or pools_of[0] is not caches or pools[0][0] is not caches[0].k:
-            pools, pools_of[:] = [(c.k, c.v) for c in caches], [caches]
+        nonlocal pools, pools_of
+        if pools_of is not caches or pools[0][0] is not caches[0].k:
+            pools, pools_of = [(c.k, c.v) for c in caches], caches
         return stack.run(x, positions, meta.slot_mapping, batch.block_tables,
                          batch.context_lens, pools, cos, sin)
 
