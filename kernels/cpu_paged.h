@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,19 @@
  * order (attn_merge). */
 #define ATTN_SPLITS 8
 #define ATTN_UNIT 512 /* positions: a chunk is a multiple of this (or of the block size) */
+
+/* Decode attention runs on the threads from this many multiply-adds of q . k (positions x
+ * query heads x head_dim): ctx 29 and on at one sequence of 9 x 64 heads */
+#define ATTN_PAR_MIN 16384
+/* Query heads per task: each KV head's are split into as many pieces as give the threads at least two
+ * tasks each, where a step's sequences and chunks give fewer (one sequence with 3 KV heads on
+ * 2 threads ran 2:1, or on one thread below 114 positions). Each query head's sums are its
+ * own, so a sequence's result is the same however its heads are split. */
+static inline int64_t attn_heads_per_task(int64_t tasks, int64_t group, int64_t threads) {
+    int64_t pieces = (2 * threads + tasks - 1) / tasks;
+    pieces = pieces > group ? group : pieces;
+    return (group + pieces - 1) / pieces;
+}
 
 /* the chunks of a context of n positions: count, and positions per chunk (*len) */
 static inline int64_t attn_chunks(int64_t n, int64_t block_size, int64_t *len) {
@@ -153,8 +167,8 @@ typedef void (*AttnChunk)(const uint16_t *qh, const uint16_t *kpool, const uint1
 typedef void (*AttnStore)(uint16_t *out, const float *acc, float inv, int64_t head_dim);
 
 /* decode_attention (operands in cpu_kernels.h) with one build's task and store: one task per
- * KV head and chunk of a sequence, shared by the threads; then the sequences of several
- * chunks merged. max_group: the most query heads per KV head the task takes. */
+ * KV head (or piece of its query heads, attn_heads_per_task) and chunk of a sequence, shared by the
+ * threads; then the sequences of several chunks merged. max_group: the most query heads per KV head the task takes. */
 static inline int paged_decode_attention(
     const uint16_t *q, int64_t ldq, const uint16_t *kpool, const uint16_t *vpool,
     int64_t n_blocks, const int64_t *tables, int64_t width, const int64_t *ctx, int64_t B,
@@ -169,16 +183,21 @@ static inline int paged_decode_attention(
     float *parts;
     const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
     if (chunks < 0) return -2;
-#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= 65536)
-    for (int64_t task = 0; task < chunks * num_kv_heads; task++) {
-        const int64_t chunk = task / num_kv_heads, kh = task % num_kv_heads;
+    const int64_t sub = attn_heads_per_task(chunks * num_kv_heads, group, omp_get_max_threads());
+    const int64_t pieces = (group + sub - 1) / sub;
+#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= ATTN_PAR_MIN)
+    for (int64_t task = 0; task < chunks * num_kv_heads * pieces; task++) {
+        const int64_t chunk = task / (num_kv_heads * pieces);
+        const int64_t kh = task / pieces % num_kv_heads, g0 = task % pieces * sub;
+        const int64_t gn = group - g0 < sub ? group - g0 : sub;
         int64_t p0, p1;
         const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
         const int whole = first[b + 1] - first[b] == 1;
-        chunk_fn(q + b * ldq + kh * group * head_dim, kpool, vpool, tables + b * width, p0, p1,
-                 kh, group, head_dim, row, block_size, scale,
-                 whole ? NULL : parts + (chunk * num_heads + kh * group) * stride,
-                 whole ? out + b * ldo + kh * group * head_dim : NULL);
+        const int64_t h0 = kh * group + g0; /* the task's first query head */
+        chunk_fn(q + b * ldq + h0 * head_dim, kpool, vpool, tables + b * width, p0, p1, kh, gn,
+                 head_dim, row, block_size, scale,
+                 whole ? NULL : parts + (chunk * num_heads + h0) * stride,
+                 whole ? out + b * ldo + h0 * head_dim : NULL);
     }
     for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
         for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {

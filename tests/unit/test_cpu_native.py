@@ -205,6 +205,25 @@ def test_decode_attention_long_contexts_and_head_sizes(ctxs: list[int], head_dim
         assert torch.equal(alone[0], got[i])
 
 
+@pytest.mark.parametrize("n_heads, n_kv", [(9, 3), (8, 2), (16, 1), (12, 4)])
+def test_decode_attention_split_heads_equal_whole_groups(n_heads: int, n_kv: int) -> None:
+    # one short sequence gives the threads fewer tasks than two each, so its KV heads' query
+    # heads are split between tasks; in a batch of 8 each task takes a whole group: the same
+    # result bit for bit
+    g = torch.Generator().manual_seed(7)
+    kp = torch.randn(80, 16, n_kv, 64, generator=g).bfloat16()
+    vp = torch.randn(80, 16, n_kv, 64, generator=g).bfloat16()
+    tables = torch.randperm(80, generator=g)[:80].view(8, 10)
+    ctx = torch.tensor([72, 40, 100, 9, 150, 33, 64, 120])
+    q = (torch.randn(8, n_heads, 64, generator=g) * 2).bfloat16()
+    got = cpu_ops.decode_attention(q, kp, vp, tables, ctx, 0.125)
+    bf16_close(got, cpu_ops.decode_attention_ref(q, kp, vp, tables, ctx, 0.125), atol=1e-5)
+    for i in range(8):
+        alone = cpu_ops.decode_attention(q[i:i + 1], kp, vp, tables[i:i + 1], ctx[i:i + 1],
+                                         0.125)
+        assert torch.equal(alone[0], got[i])
+
+
 def test_decode_attention_refuses_out_of_range_tables() -> None:
     kp = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
