@@ -108,9 +108,10 @@ def timed(fn: Callable[..., Any], acc: list[float], cpu: list[float]) -> Callabl
 
 
 def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, float]:
-    """ms per decode step at batch 1 and batch len(prompts): the model's layers
-    (`ModelRunner.forward`: one native call a step where the backend's whole-step path runs:
-    the projections, attention and norms of every layer), the logits (the LM head), sampling,
+    """ms per decode step at batch 1 and batch len(prompts): the model (`ModelRunner._step`:
+    one native call a step where the backend's whole-step path runs: the projections,
+    attention and norms of every layer, and the LM head where that path has it), the logits
+    (`ModelRunner.logits`: the LM head where the model's step did not run it), sampling,
     `ModelRunner._prepare`, and the rest (scheduler, detokenization, Python); each also as
     this thread's CPU time (`cpu_` names)."""
     eng = llm.engine
@@ -118,16 +119,16 @@ def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, 
     res: dict[str, float] = {}
     torch.set_num_threads(threads)
     for n in (1, len(prompts)):
-        names = ("layers", "logits", "sample", "prepare")
+        names = ("model", "logits", "sample", "prepare")
         parts: dict[str, list[float]] = {k: [] for k in names}
         cpu: dict[str, list[float]] = {k: [] for k in names}
-        fwd, logits, prepare, sampler = runner.forward, runner.logits, runner._prepare, eng.sampler
+        fwd, logits, prepare, sampler = runner._step, runner.logits, runner._prepare, eng.sampler
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for p in prompts[:n]:
             eng.add_request(p, params)
         for _ in range(8):  # prefill and warm-up
             eng.step()
-        runner.forward = timed(fwd, parts["layers"], cpu["layers"])  # type: ignore[method-assign]
+        runner._step = timed(fwd, parts["model"], cpu["model"])  # type: ignore[method-assign]
         runner.logits = timed(logits, parts["logits"], cpu["logits"])  # type: ignore[method-assign]
         runner._prepare = timed(  # type: ignore[method-assign]
             prepare, parts["prepare"], cpu["prepare"])
@@ -137,7 +138,7 @@ def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, 
         for _ in range(steps):
             eng.step()
         total, total_cpu = (time.perf_counter() - t) / steps, (time.thread_time() - c) / steps
-        del runner.forward, runner.logits, runner._prepare
+        del runner._step, runner.logits, runner._prepare
         eng.sampler = sampler
         while eng.has_unfinished():
             eng.step()

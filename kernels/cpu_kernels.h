@@ -105,9 +105,22 @@ typedef struct {
     float eps, scale;
 } DecoderDims;
 
+/* An LM head decode_layers runs after the final norm: a Q8_0 weight (two planes, fp16 scales,
+ * groups of 32) whose logits come from int8_logits, the refine_k best recomputed exactly
+ * (int4_refine_half), each row's best picked (top_k); outputs logits fp32 [M][out_features],
+ * best int64 [M] and best_logit fp32 [M]. */
+typedef struct {
+    PackedWeight w;
+    int64_t refine_k;
+    float *logits;
+    int64_t *best;
+    float *best_logit;
+} StepHead;
+
 int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
-                  const float *cos_t, const float *sin_t, int64_t table_rows);
+                  const float *cos_t, const float *sin_t, int64_t table_rows,
+                  const StepHead *head);
 
 #endif

@@ -10,7 +10,9 @@
  *   h = norm1(x + r) (first layer: h = norm1(x), r = x)   qkv = h Wqkv^T   rope(q, k)
  *   store k, v at the step's slots                         a = attention(q, cached K/V)
  *   h = norm2(a Wo^T + r)                                  x = silu(h Wg^T) * (h Wu^T) Wd^T
- * and after the last layer: out = norm(x + r).
+ * and after the last layer: out = norm(x + r); with a head (StepHead), its logits from out, the
+ * best of them refined and each row's argmax, as the per-op path computes them (int8_logits,
+ * int4_refine_half, top_k), where that path took three calls and their Python between.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,11 +28,13 @@ static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k
 
 /* x: bf16 [M][hidden], the step's embeddings; overwritten with the final normalized hidden
  * states. Returns 0; -1 on a bad position, slot, block or context length (reported by the
- * step that found it; earlier layers' K/V are then already stored); -2 out of memory. */
+ * step that found it; earlier layers' K/V are then already stored); -2 out of memory. head:
+ * NULL, or the LM head to run after the layers. */
 int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
-                  const float *cos_t, const float *sin_t, int64_t table_rows) {
+                  const float *cos_t, const float *sin_t, int64_t table_rows,
+                  const StepHead *head) {
     const int64_t H = d->hidden, head_dim = d->head_dim;
     const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
     const int64_t q_w = num_heads * head_dim, kv_w = num_kv_heads * head_dim;
@@ -68,5 +72,15 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
     free(buf);
+    if (!rc && head) {
+        const PackedWeight *w = &head->w;
+        const int64_t n = w->out_features;
+        if (int8_logits(x, M, H, H, w->packed, w->sz, n, w->out_padded, head->logits, n))
+            return -2; /* the layout was checked in Python: only memory fails */
+        int4_refine_half(head->logits, n, M, n, x, H, w->packed, w->sz, H, w->out_padded,
+                         w->planes, w->group_size, head->refine_k);
+        top_k(head->logits, n, M, n, 1, head->best);
+        for (int64_t b = 0; b < M; b++) head->best_logit[b] = head->logits[b * n + head->best[b]];
+    }
     return rc;
 }

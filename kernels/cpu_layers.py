@@ -1,6 +1,7 @@
 """The whole decoder stack of a decode step in one call (`cpu_layers.c`): `DecoderStack`
-describes a model's layers to `decode_layers` once (ctypes structs pointing at the weights),
-then runs each step; `DecoderStack.run_ref` is its plain-PyTorch reference."""
+describes a model's layers (and optionally its Q8_0 LM head, `StackHead`) to `decode_layers`
+once (ctypes structs pointing at the weights), then runs each step; `DecoderStack.run_ref` and
+`run_logits_ref` are the plain-PyTorch references."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_int4 import TILE, _lut_ptr, int4_mm_ref, scales_form, scales_layout
+from localllm.kernels.cpu_int4 import (
+    HALF,
+    REFINE_MAX,
+    TILE,
+    _lut_ptr,
+    int4_mm_ref,
+    int4_refine_half_ref,
+    int8_logits_ref,
+    scales_form,
+    scales_layout,
+)
 from localllm.kernels.cpu_ops import (
     decode_attention_ref,
     decode_attention_supported,
@@ -18,6 +29,7 @@ from localllm.kernels.cpu_ops import (
     rms_norm_ref,
     rope_ref,
     silu_mul_ref,
+    top_k_ref,
 )
 
 GROUP = 32
@@ -35,6 +47,11 @@ class _DecoderLayer(ctypes.Structure):
                 ("qkv", _PackedWeight), ("o", _PackedWeight), ("gate_up", _PackedWeight),
                 ("down", _PackedWeight), ("k_pool", ctypes.c_void_p),
                 ("v_pool", ctypes.c_void_p)]
+
+
+class _StepHead(ctypes.Structure):
+    _fields_ = [("w", _PackedWeight), ("refine_k", ctypes.c_int64), ("logits", ctypes.c_void_p),
+                ("best", ctypes.c_void_p), ("best_logit", ctypes.c_void_p)]
 
 
 class _DecoderDims(ctypes.Structure):
@@ -89,6 +106,20 @@ class StackLayer:
 
 
 @dataclass(frozen=True)
+class StackHead:
+    """An LM head `decode_layers` runs after the layers: a Q8_0 weight (two planes, fp16
+    scales for groups of 32: `int8_logits`), whose `refine_k` best logits of each row are
+    recomputed exactly (`int4_refine_half`) before each row's best is picked (`top_k`)."""
+    weight: PackedLinear  # [vocab, hidden]
+    refine_k: int
+
+
+# a step through the head: fp32 logits [M, vocab], each row's best id (ties to the lower one)
+# and its logit
+HeadOutput = tuple[torch.Tensor, list[int], list[float]]
+
+
+@dataclass(frozen=True)
 class StackDims:
     hidden: int
     num_heads: int
@@ -106,7 +137,7 @@ class DecoderStack:
     for a decode step in one call). Holds references to every tensor it points at."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor,
-                 dims: StackDims, max_rows: int) -> None:
+                 dims: StackDims, max_rows: int, head: StackHead | None = None) -> None:
         # max_rows: the most sequences one call takes
         self.max_rows = max_rows
         d = dims
@@ -127,7 +158,15 @@ class DecoderStack:
         if final_norm.dtype != torch.bfloat16 or final_norm.shape != (d.hidden,) \
                 or not final_norm.is_contiguous():
             raise ValueError("DecoderStack: bad final norm weight")
-        self.layers, self.final_norm, self.dims = layers, final_norm, dims
+        if head is not None:
+            w = head.weight
+            w.check("head", d.hidden, w.out_features)
+            if not (w.planes == 2 and w.group_size == 32 and w.scales_form == HALF
+                    and w.lut is None and d.hidden % 16 == 0 and d.hidden <= 16384
+                    and max_rows <= REFINE_MAX and 0 < head.refine_k <= min(REFINE_MAX,
+                                                                           w.out_features)):
+                raise ValueError("DecoderStack: the head is not a Q8_0 weight int8_logits takes")
+        self.layers, self.final_norm, self.dims, self.head = layers, final_norm, dims, head
         self._structs = (_DecoderLayer * len(layers))(*[
             _DecoderLayer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.struct(),
                           l.o.struct(), l.gate_up.struct(), l.down.struct(), None, None)
@@ -166,6 +205,28 @@ class DecoderStack:
         hidden states [M, hidden] (x itself, overwritten). positions, slots, context_lens:
         int64 [M]; block_tables: int64 [M, width]; cos, sin: fp32 [rows, rope_dim / 2];
         pools: each layer's (K, V) pool, the list of the last call taken as unchanged."""
+        self._call(x, positions, slots, block_tables, context_lens, pools, cos, sin, None)
+        return x
+
+    def run_logits(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                   sin: torch.Tensor) -> HeadOutput:
+        """`run`, then the head (built with one) on its output, in the same call."""
+        assert self.head is not None, "DecoderStack.run_logits: no head"
+        m, w = x.shape[0], self.head.weight
+        logits = torch.empty(m, w.out_features, dtype=torch.float32)
+        best = torch.empty(m, dtype=torch.int64)
+        best_logit = torch.empty(m, dtype=torch.float32)
+        head = _StepHead(w.struct(), self.head.refine_k, logits.data_ptr(), best.data_ptr(),
+                         best_logit.data_ptr())
+        self._call(x, positions, slots, block_tables, context_lens, pools, cos, sin, head)
+        return logits, best.tolist(), best_logit.tolist()
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              block_tables: torch.Tensor, context_lens: torch.Tensor,
+              pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+              sin: torch.Tensor, head: _StepHead | None) -> None:
         lib = cpu_native.library()
         assert lib is not None
         self._set_pools(pools)
@@ -187,13 +248,13 @@ class DecoderStack:
                                self.final_norm.data_ptr(), x.data_ptr(), m,
                                positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                block_tables.shape[1], context_lens.data_ptr(), cos.data_ptr(),
-                               sin.data_ptr(), cos.shape[0])
+                               sin.data_ptr(), cos.shape[0],
+                               None if head is None else ctypes.byref(head))
         if rc == -2:
             raise MemoryError("decode_layers: out of memory")
         if rc:
             raise ValueError("decode_layers: a position, slot, block or context length is out "
                              "of range")
-        return x
 
     def run_ref(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -221,3 +282,16 @@ class DecoderStack:
             h = rms_norm_ref(mm(layer.o, att.reshape(m, q_end)), layer.post_norm, d.eps, res)
             y = mm(layer.down, silu_mul_ref(mm(layer.gate_up, h)))
         return rms_norm_ref(y, self.final_norm, d.eps, res)
+
+    def run_logits_ref(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                       sin: torch.Tensor) -> HeadOutput:
+        """Plain-PyTorch reference of `run_logits`."""
+        assert self.head is not None
+        h = self.run_ref(x, positions, slots, block_tables, context_lens, pools, cos, sin)
+        w = self.head.weight
+        logits = int8_logits_ref(h, w.packed, w.scales_zeros, w.out_features)
+        int4_refine_half_ref(logits, h, w.packed, w.scales_zeros, 2, self.head.refine_k)
+        best = top_k_ref(logits, 1)[:, 0]
+        return logits, best.tolist(), logits.gather(1, best[:, None])[:, 0].tolist()

@@ -241,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
                  for layer in self.layers]
         return DecoderLayout(self.embed_tokens, self.rope, parts, self.norm, self.dtype,
                              cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, cfg.embed_scale)
+                             cfg.intermediate_size, cfg.embed_scale, self.lm_head,
+                             self._refine_top(), cfg.final_softcap)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -268,9 +269,15 @@ class LlamaForCausalLM(nn.Module):
         # so the REFINE_TOP best (REFINE_TOP_FINE of a head whose logits are fine) are
         # recomputed in fp32 from the head's own weights (quantized: exactly as the file
         # dequantizes). Per row: batch size changes nothing.
-        k = REFINE_TOP_FINE if self.lm_head.fine_logits else REFINE_TOP
-        self.lm_head.refine_logits(logits, hidden, self.backend.top_k, min(k, logits.shape[1]))
+        self.lm_head.refine_logits(logits, hidden, self.backend.top_k, self._refine_top())
         return self._softcap(logits)
+
+    def _refine_top(self) -> int:
+        """How many of the best logits `compute_logits` recomputes (0 in fp32)."""
+        if self.dtype == torch.float32:
+            return 0
+        k = REFINE_TOP_FINE if self.lm_head.fine_logits else REFINE_TOP
+        return min(k, self.lm_head.out_features)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_softcap

@@ -198,15 +198,18 @@ class LLMEngine:
         return sampled
 
     def _run_batch(self, batch: list[ScheduledRequest]) -> dict[str, int]:
-        logits, sampling = self.runner.execute(batch)
+        logits, sampling, best, best_logit = self.runner.execute(batch)
         if not sampling:
             return {}
         if logits.shape[-1] > self.tokenizer.vocab_size:
             # embeddings padded past the tokenizer: those ids have no text, never sample them
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
+            best = None
+        if best is None or best_logit is None:
+            top = self.runner.backend.argmax(logits)
+            best, best_logit = top.tolist(), logits.gather(1, top[:, None]).view(-1).tolist()
         # each row's best logit must be finite (a full isfinite pass costs 0.4 ms a step)
-        best = self.runner.backend.argmax(logits)
-        if not all(map(math.isfinite, logits.gather(1, best[:, None]).view(-1).tolist())):
+        if not all(map(math.isfinite, best_logit)):
             raise FloatingPointError("the model produced no finite logits")
         tokens = self.sampler(logits, sampling, best)
         rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]

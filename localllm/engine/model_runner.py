@@ -10,6 +10,7 @@ copies whole blocks out of and into the pools for the prefix store (`read_blocks
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -17,13 +18,21 @@ from localllm.config import ModelConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import WholeStep
+from localllm.layers.backend import StepLogits, WholeStep
 from localllm.models.registry import CausalLM
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # fp32 [num_sampling, vocab] on the device
+    sampling: list[Request]  # the requests that sample, one per row
+    # each row's argmax and its logit, where the step's fast path picked them
+    best: list[int] | None = None
+    best_logit: list[float] | None = None
 
 
 class ModelRunner:
@@ -58,14 +67,22 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of one step."""
+        out = self._step(input_ids, positions, meta, False)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              head: bool) -> torch.Tensor | StepLogits:
+        # the final hidden states, or with head the logits of a decode-only step whose fast
+        # path runs the LM head
         if not self._whole_step_built:  # after loading, which must not change the weights
             self._whole_step = self.backend.whole_step(self.model.decoder_layout(),
                                                        self._model_forward)
             self._whole_step_built = True
         if self._whole_step is not None:
-            hidden = self._whole_step(input_ids, positions, self.kv_caches, meta)
-            if hidden is not None:  # a decode-only step through the backend's fast path
-                return hidden
+            out = self._whole_step(input_ids, positions, self.kv_caches, meta, head)
+            if out is not None:  # a decode-only step through the backend's fast path
+                return out
         return self._model_forward(input_ids, positions, self.kv_caches, meta)
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -112,11 +129,11 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
-    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns logits [num_sampling, vocab] fp32 on the device and the
-        sampling requests."""
+    def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
+        """Run one step: the sampling requests' logits [num_sampling, vocab] fp32 on the
+        device, and the requests."""
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.forward(input_ids, positions, meta)
+        out = self._step(input_ids, positions, meta, True)
         last: list[int] = []
         sampling: list[Request] = []
         end = 0
@@ -125,12 +142,18 @@ class ModelRunner:
             if s.samples:
                 last.append(end - 1)
                 sampling.append(s.request)
+        if isinstance(out, StepLogits):  # a decode step that ran the head: one row per request
+            if len(last) == len(batch):
+                return StepOutput(out.logits, sampling, out.best, out.best_logit)
+            idx = torch.tensor(last, dtype=torch.long, device=self.device)
+            return StepOutput(out.logits[idx], sampling, [out.best[i] for i in last],
+                              [out.best_logit[i] for i in last])
         if not last:
-            return torch.empty(0, self.cfg.vocab_size, device=self.device), sampling
-        if len(last) == hidden.shape[0]:  # a decode-only step: every row samples
-            return self.logits(hidden), sampling
+            return StepOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), sampling)
+        if len(last) == out.shape[0]:  # a decode-only step: every row samples
+            return StepOutput(self.logits(out), sampling)
         idx = torch.tensor(last, dtype=torch.long, device=self.device)
-        return self.logits(hidden[idx]), sampling
+        return StepOutput(self.logits(out[idx]), sampling)
 
 
 def prompt_logits(model: CausalLM, token_ids: list[int], block_size: int = 16,

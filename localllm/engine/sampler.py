@@ -57,10 +57,10 @@ class Sampler:
         self.backend = backend
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
-                 best: torch.Tensor | None = None) -> list[int]:
+                 best: Sequence[int] | None = None) -> list[int]:
         # logits: [num_seqs, vocab] fp32; best: the rows' argmax when the caller has it
         if all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in requests):
-            return (self.backend.argmax(logits) if best is None else best).tolist()
+            return self.backend.argmax(logits).tolist() if best is None else list(best)
         out: list[int] = []
         for row, req in zip(logits, requests):
             p = req.params

@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 
@@ -26,9 +27,23 @@ from localllm.layers.stack import DecoderLayout
 # [num_tokens, hidden]
 Forward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata],
                    torch.Tensor]
-# a fast path for decode-only steps: the same, or None when this step is not one it takes
-WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata],
-                     torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A decode step whose fast path ran the model's LM head too: fp32 logits [num_seqs, vocab]
+    as the model's `compute_logits` gives them, each row's argmax (ties to the lower id) and
+    that logit."""
+    logits: torch.Tensor
+    best: list[int]
+    best_logit: list[float]
+
+
+# a fast path for decode-only steps: (input_ids, positions, caches, meta, head) -> the final
+# hidden states, or with head=True the step's `StepLogits` where the path runs the model's head
+# (the hidden states where it does not); None when this step is not one it takes
+WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, bool],
+                     torch.Tensor | StepLogits | None]
 
 
 class Backend(LayerOps):

@@ -43,6 +43,11 @@ class DecoderLayout:
     head_dim: int
     intermediate_size: int
     embed_scale: float = 1.0
+    # the LM head as the model's `compute_logits` runs it: its logits, then the `refine_top`
+    # best recomputed (`LinearBase.refine_logits`; 0: none, an fp32 model), then a soft-cap
+    lm_head: LinearBase | None = None
+    refine_top: int = 0
+    final_softcap: float = 0.0
 
     def ropes(self) -> list[RotaryEmbedding]:
         """Every distinct RoPE module of the layers."""

@@ -312,6 +312,70 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
         stack.run(x.clone(), pos, slots, tables, ctx + 40, pools, cos, sin)
 
 
+# the default model's kind of head: tied to a Q8_0 embedding, logits from int8_logits
+HEAD_SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
+                      qtypes={"token_embd.weight": QT.Q8_0}, tied=True)
+
+
+@pytest.fixture(scope="module")
+def head_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("native_head") / "m.gguf", HEAD_SPEC).path
+
+
+def test_decoder_stack_runs_a_q8_0_head_as_the_model_does(small_model: torch.nn.Module,
+                                                          head_model_file: Path) -> None:
+    stack = build_stack(small_model.decoder_layout())
+    assert stack is not None and stack.head is None  # a Q4_0 head: the per-op path's
+    m = load_gguf(head_model_file, torch.bfloat16).model
+    stack = build_stack(m.decoder_layout())
+    assert stack is not None and stack.head is not None
+    g = torch.Generator().manual_seed(8)
+    pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
+              torch.randn(8, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    clean = [(k.clone(), v.clone()) for k, v in pools]
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    pos = torch.tensor([4, 20, 0])
+    args = (pos, torch.tensor([4, 16 + 4, 2 * 16]), torch.tensor([[0, 5], [6, 1], [2, 7]]),
+            pos + 1)
+    cos, sin = m.rope.tables(64, torch.device("cpu"))
+    logits, best, best_logit = stack.run_logits(x.clone(), *args, pools, cos, sin)
+    again = [(k.clone(), v.clone()) for k, v in clean]
+    want = m.compute_logits(stack.run(x.clone(), *args, again, cos, sin))  # the per-op head
+    assert torch.equal(logits, want)
+    assert best == cpu_ops.top_k_ref(want, 1)[:, 0].tolist()
+    assert best_logit == [want[i, b].item() for i, b in enumerate(best)]
+    ref, ref_best, _ = stack.run_logits_ref(x.clone(), *args, clean, cos, sin)
+    torch.testing.assert_close(logits, ref, rtol=0.0, atol=0.1)
+
+
+def test_engine_samples_the_heads_pick_as_the_per_op_head(head_model_file: Path) -> None:
+    from localllm import LLM, SamplingParams
+    from localllm.layers.backend import StepLogits
+
+    llm = LLM(head_model_file)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    runner = llm.engine.runner
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2))  # builds the whole step
+    step = runner._whole_step
+    assert step is not None
+    kinds: list[str] = []
+
+    def watched(*args: object, head: bool | None = None) -> object:
+        out = step(*(args[:4] + ((head,) if head is not None else args[4:])))  # type: ignore
+        kinds.append(type(out).__name__)
+        return out
+
+    runner._whole_step = watched  # type: ignore[assignment]
+    fused = [c.token_ids for c in llm.generate(prompts, params)]
+    assert kinds.count(StepLogits.__name__) >= params.max_tokens - 1
+    runner._whole_step = lambda *a: watched(*a[:4], head=False)  # type: ignore
+    kinds.clear()
+    per_op = [c.token_ids for c in llm.generate(prompts, params)]
+    assert StepLogits.__name__ not in kinds and "Tensor" in kinds
+    assert fused == per_op
+
+
 @pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("planes", [1, 2])
 def test_tiled_scales_give_what_pytorchs_pairs_give(matmul_path: str, planes: int,

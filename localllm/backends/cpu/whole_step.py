@@ -8,7 +8,9 @@ the native stack lacks), skips the per-module Python path:
 returned step runs each such step with one call. The kernel calls the same native functions as
 the per-op path, in the same order, so tokens come out identical either way (a step mixing
 prompts and decodes, or with more sequences than the stack takes, returns None: the per-op
-path runs it).
+path runs it). Where the model's LM head is a Q8_0 weight whose logits `int8_logits` computes
+(`CpuPackedWeight.fine_logits`), without bias or soft-cap, the same call runs the head too
+(logits, the refine of the best, each row's argmax): `StepLogits` for a step asked for them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from localllm.backends.cpu.dispatch import NATIVE_KERNEL_MAX_ROWS
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_layers, cpu_native
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import WholeStep
+from localllm.layers.backend import StepLogits, WholeStep
 from localllm.layers.linear import LinearBase, QuantLinear
 from localllm.layers.stack import DecoderLayout
 
@@ -32,6 +34,17 @@ def _packed(lin: LinearBase | None) -> cpu_layers.PackedLinear | None:
     q = lin.qweight
     return cpu_layers.PackedLinear(q.packed, q.scales_zeros, q.in_features, q.out_features,
                                    q.planes, q.group_size, q.lut)
+
+
+def _head(layout: DecoderLayout) -> cpu_layers.StackHead | None:
+    """The LM head as the stack runs it, or None where `compute_logits` does more (or other)
+    than int8_logits, its refine and nothing after."""
+    lin = layout.lm_head
+    packed = _packed(lin)
+    if (packed is None or layout.final_softcap != 0 or layout.refine_top < 1
+            or not isinstance(lin, QuantLinear) or not lin.qweight.fine_logits):
+        return None
+    return cpu_layers.StackHead(packed, layout.refine_top)
 
 
 def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
@@ -58,11 +71,15 @@ def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
                                 layout.layers[0].attn.scale)
     if eps:  # one epsilon for all norms
         return None
+    # decoding rows take int4_mm in the per-op path at any count (`decode_rows`), so both
+    # paths agree up to the stack's limit
+    args = (layers, layout.final_norm.weight.data, dims, NATIVE_KERNEL_MAX_ROWS)
     try:  # DecoderStack checks the rest (head sizes the attention kernel takes, shapes)
-        # decoding rows take int4_mm in the per-op path at any count (`decode_rows`), so both
-        # paths agree up to the stack's limit
-        return cpu_layers.DecoderStack(layers, layout.final_norm.weight.data, dims,
-                                       NATIVE_KERNEL_MAX_ROWS)
+        return cpu_layers.DecoderStack(*args, head=_head(layout))
+    except ValueError:
+        pass
+    try:  # without the head, whose layout the stack did not take
+        return cpu_layers.DecoderStack(*args)
     except ValueError:
         return None
 
@@ -78,8 +95,9 @@ def build(layout: DecoderLayout) -> WholeStep | None:
     pools_of: list[KVCache] | None = None  # the caches `pools` was made from (the same each step)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-             meta: AttentionMetadata) -> torch.Tensor | None:
-        # input_ids, positions: [num_seqs] -> final hidden states [num_seqs, hidden]
+             meta: AttentionMetadata, head: bool = False) -> torch.Tensor | StepLogits | None:
+        # input_ids, positions: [num_seqs] -> final hidden states [num_seqs, hidden], or with
+        # head (and a stack that has one) the logits
         if input_ids.device.type != "cpu" or not cpu_native.available():
             return None
         batch = meta.plan(decode_batch)
@@ -90,7 +108,10 @@ def build(layout: DecoderLayout) -> WholeStep | None:
         nonlocal pools, pools_of
         if pools_of is not caches or pools[0][0] is not caches[0].k:
             pools, pools_of = [(c.k, c.v) for c in caches], caches
-        return stack.run(x, positions, meta.slot_mapping, batch.block_tables,
-                         batch.context_lens, pools, cos, sin)
+        args = (x, positions, meta.slot_mapping, batch.block_tables, batch.context_lens, pools,
+                cos, sin)
+        if head and stack.head is not None:
+            return StepLogits(*stack.run_logits(*args))
+        return stack.run(*args)
 
     return step

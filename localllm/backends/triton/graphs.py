@@ -76,9 +76,11 @@ class StaticDecodeStep:
         torch.cuda.synchronize()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor | None:
-        """Final hidden states [num_seqs, hidden] of a decode-only step, or None when this
-        step is not one (a prompt in it, more sequences than the largest size)."""
+                 caches: list[KVCache], meta: AttentionMetadata,
+                 head: bool = False) -> torch.Tensor | None:
+        """Final hidden states [num_seqs, hidden] of a decode-only step (with or without
+        `head`: the graphs end before the LM head), or None when this step is not one (a prompt
+        in it, more sequences than the largest size)."""
         b = len(meta.query_lens)
         if any(n != 1 for n in meta.query_lens) or b > max(self.sizes):
             return None
