@@ -117,10 +117,17 @@ typedef struct {
     float *best_logit;
 } StepHead;
 
+/* The embedding decode_layers looks its input rows up in: a weight with fp16 scales
+ * (int4_rows_half), its rows ids[0..M) rounded to bf16 as PyTorch rounds. */
+typedef struct {
+    PackedWeight w;
+    const int64_t *ids;
+} StepEmbed;
+
 int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
                   const float *cos_t, const float *sin_t, int64_t table_rows,
-                  const StepHead *head);
+                  const StepEmbed *embed, const StepHead *head);
 
 #endif

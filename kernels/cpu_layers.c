@@ -10,9 +10,10 @@
  *   h = norm1(x + r) (first layer: h = norm1(x), r = x)   qkv = h Wqkv^T   rope(q, k)
  *   store k, v at the step's slots                         a = attention(q, cached K/V)
  *   h = norm2(a Wo^T + r)                                  x = silu(h Wg^T) * (h Wu^T) Wd^T
- * and after the last layer: out = norm(x + r); with a head (StepHead), its logits from out, the
- * best of them refined and each row's argmax, as the per-op path computes them (int8_logits,
- * int4_refine_half, top_k), where that path took three calls and their Python between.
+ * (first x: the embedding's rows of the step's tokens, with a StepEmbed), and after the last
+ * layer: out = norm(x + r); with a head (StepHead), its logits from out, the best of them
+ * refined and each row's argmax, as the per-op path computes them (int4_rows_half, int8_logits,
+ * int4_refine_half, top_k), where that path took four calls and their Python between.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,21 +27,44 @@ static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k
                    w->out_features, w->group_size, w->lut, w->scales_form) ? -2 : 0;
 }
 
-/* x: bf16 [M][hidden], the step's embeddings; overwritten with the final normalized hidden
- * states. Returns 0; -1 on a bad position, slot, block or context length (reported by the
- * step that found it; earlier layers' K/V are then already stored); -2 out of memory. head:
+/* fp32 -> bf16 to nearest, ties to even; NaN to the quiet NaN (PyTorch's rounding) */
+static uint16_t bf16_of(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
+}
+
+/* x (bf16 [M][H]) = the embedding's rows ids; -3 if an id is not a row */
+static int embed_rows(const StepEmbed *e, int64_t M, int64_t H, uint16_t *x) {
+    float row[16384]; /* H <= 16384 (checked in Python) */
+    for (int64_t b = 0; b < M; b++)
+        if (e->ids[b] < 0 || e->ids[b] >= e->w.out_features) return -3;
+    for (int64_t b = 0; b < M; b++) {
+        int4_rows_half(e->w.packed, e->w.sz, H, e->w.out_padded, e->w.planes, e->w.group_size,
+                       e->ids + b, 1, row);
+        for (int64_t k = 0; k < H; k++) x[b * H + k] = bf16_of(row[k]);
+    }
+    return 0;
+}
+
+/* x: bf16 [M][hidden], the step's embeddings (with `embed`, looked up here first); overwritten
+ * with the final normalized hidden states. Returns 0; -1 on a bad position, slot, block or
+ * context length (reported by the step that found it; earlier layers' K/V are then already
+ * stored); -2 out of memory; -3 a token id beyond the embedding (nothing computed). head:
  * NULL, or the LM head to run after the layers. */
 int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
                   const float *cos_t, const float *sin_t, int64_t table_rows,
-                  const StepHead *head) {
+                  const StepEmbed *embed, const StepHead *head) {
     const int64_t H = d->hidden, head_dim = d->head_dim;
     const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
     const int64_t q_w = num_heads * head_dim, kv_w = num_kv_heads * head_dim;
     const int64_t qkv_w = q_w + 2 * kv_w, inter = d->intermediate;
     const size_t per_row = (size_t)(3 * H + qkv_w + q_w + 3 * inter);
     if (n_layers < 1) return -1;
+    if (embed && embed_rows(embed, M, H, x)) return -3;
     uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
     if (!buf) return -2;
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;

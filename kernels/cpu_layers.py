@@ -1,7 +1,7 @@
 """The whole decoder stack of a decode step in one call (`cpu_layers.c`): `DecoderStack`
-describes a model's layers (and optionally its Q8_0 LM head, `StackHead`) to `decode_layers`
-once (ctypes structs pointing at the weights), then runs each step; `DecoderStack.run_ref` and
-`run_logits_ref` are the plain-PyTorch references."""
+describes a model's layers (and optionally its embedding and its Q8_0 LM head, `StackHead`)
+to `decode_layers` once (ctypes structs pointing at the weights), then runs each step;
+`DecoderStack.run_ref` and `run_logits_ref` are the plain-PyTorch references."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ class _DecoderLayer(ctypes.Structure):
 class _StepHead(ctypes.Structure):
     _fields_ = [("w", _PackedWeight), ("refine_k", ctypes.c_int64), ("logits", ctypes.c_void_p),
                 ("best", ctypes.c_void_p), ("best_logit", ctypes.c_void_p)]
+
+
+class _StepEmbed(ctypes.Structure):
+    _fields_ = [("w", _PackedWeight), ("ids", ctypes.c_void_p)]
 
 
 class _DecoderDims(ctypes.Structure):
@@ -137,8 +141,10 @@ class DecoderStack:
     for a decode step in one call). Holds references to every tensor it points at."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor,
-                 dims: StackDims, max_rows: int, head: StackHead | None = None) -> None:
-        # max_rows: the most sequences one call takes
+                 dims: StackDims, max_rows: int, head: StackHead | None = None,
+                 embed: PackedLinear | None = None) -> None:
+        # max_rows: the most sequences one call takes; embed: a weight with fp16 scales
+        # (`int4_rows_half`) whose rows are the step's inputs (`run_tokens`)
         self.max_rows = max_rows
         d = dims
         if (not layers or d.num_heads % d.num_kv_heads
@@ -166,7 +172,15 @@ class DecoderStack:
                     and max_rows <= REFINE_MAX and 0 < head.refine_k <= min(REFINE_MAX,
                                                                            w.out_features)):
                 raise ValueError("DecoderStack: the head is not a Q8_0 weight int8_logits takes")
+        if embed is not None:
+            embed.check("embedding", d.hidden, embed.out_features)
+            if not (embed.planes in (1, 2) and embed.scales_form == HALF and embed.lut is None
+                    and d.hidden <= 16384):
+                raise ValueError("DecoderStack: the embedding has no fp16 scales")
+            self._embed = _StepEmbed(embed.struct(), None)
         self.layers, self.final_norm, self.dims, self.head = layers, final_norm, dims, head
+        self.embed = embed
+        self._x = torch.empty(max_rows, d.hidden, dtype=torch.bfloat16)  # run_tokens' inputs
         self._structs = (_DecoderLayer * len(layers))(*[
             _DecoderLayer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.struct(),
                           l.o.struct(), l.gate_up.struct(), l.down.struct(), None, None)
@@ -205,7 +219,8 @@ class DecoderStack:
         hidden states [M, hidden] (x itself, overwritten). positions, slots, context_lens:
         int64 [M]; block_tables: int64 [M, width]; cos, sin: fp32 [rows, rope_dim / 2];
         pools: each layer's (K, V) pool, the list of the last call taken as unchanged."""
-        self._call(x, positions, slots, block_tables, context_lens, pools, cos, sin, None)
+        self._call(x, None, positions, slots, block_tables, context_lens, pools, cos, sin, None,
+                   None)
         return x
 
     def run_logits(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -213,27 +228,55 @@ class DecoderStack:
                    pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
                    sin: torch.Tensor) -> HeadOutput:
         """`run`, then the head (built with one) on its output, in the same call."""
-        assert self.head is not None, "DecoderStack.run_logits: no head"
-        m, w = x.shape[0], self.head.weight
-        logits = torch.empty(m, w.out_features, dtype=torch.float32)
-        best = torch.empty(m, dtype=torch.int64)
-        best_logit = torch.empty(m, dtype=torch.float32)
-        head = _StepHead(w.struct(), self.head.refine_k, logits.data_ptr(), best.data_ptr(),
-                         best_logit.data_ptr())
-        self._call(x, positions, slots, block_tables, context_lens, pools, cos, sin, head)
-        return logits, best.tolist(), best_logit.tolist()
+        return self._logits(x, None, positions, slots, block_tables, context_lens, pools, cos,
+                            sin)
 
-    def _call(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              block_tables: torch.Tensor, context_lens: torch.Tensor,
+    def run_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                   sin: torch.Tensor, head: bool) -> torch.Tensor | HeadOutput:
+        """`run` (or with head, `run_logits`) from the step's token ids (int64 [M]), whose
+        embedding rows the same call looks up (a stack built with `embed`)."""
+        assert self.embed is not None, "DecoderStack.run_tokens: no embedding"
+        m = ids.shape[0]
+        if not (ids.dtype == torch.int64 and ids.shape == (m,) and ids.is_contiguous()):
+            raise ValueError("DecoderStack.run_tokens: bad token ids")
+        self._embed.ids = ids.data_ptr()
+        if head:
+            return self._logits(self._x, m, positions, slots, block_tables, context_lens, pools,
+                                cos, sin)
+        x = torch.empty(m, self.dims.hidden, dtype=torch.bfloat16)
+        self._call(x, m, positions, slots, block_tables, context_lens, pools, cos, sin,
+                   self._embed, None)
+        return x
+
+    def _logits(self, x: torch.Tensor, m: int | None, positions: torch.Tensor,
+                slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                sin: torch.Tensor) -> HeadOutput:
+        # m: rows of x the call embeds itself (run_tokens); None: x holds the inputs
+        assert self.head is not None, "DecoderStack: no head"
+        rows, w = x.shape[0] if m is None else m, self.head.weight
+        logits = torch.empty(rows, w.out_features, dtype=torch.float32)
+        best, best_logit = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
+        head = _StepHead(w.struct(), self.head.refine_k, logits.data_ptr(),
+                         ctypes.addressof(best), ctypes.addressof(best_logit))
+        self._call(x, m, positions, slots, block_tables, context_lens, pools, cos, sin,
+                   None if m is None else self._embed, head)
+        return logits, list(best), list(best_logit)
+
+    def _call(self, x: torch.Tensor, m: int | None, positions: torch.Tensor,
+              slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
               pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
-              sin: torch.Tensor, head: _StepHead | None) -> None:
+              sin: torch.Tensor, embed: _StepEmbed | None, head: _StepHead | None) -> None:
+        # x: bf16 [>= m, hidden], its first m rows the step's (all of them for m None)
         lib = cpu_native.library()
         assert lib is not None
         self._set_pools(pools)
-        m = x.shape[0]
+        m = x.shape[0] if m is None else m
         i64 = torch.int64
         if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
-                and x.shape[1] == self.dims.hidden and 0 < m <= self.max_rows
+                and x.shape[1] == self.dims.hidden and 0 < m <= min(self.max_rows, x.shape[0])
                 and positions.dtype == slots.dtype == context_lens.dtype == i64
                 and block_tables.dtype == i64 and block_tables.dim() == 2
                 and block_tables.shape[0] == m and block_tables.is_contiguous()
@@ -249,9 +292,12 @@ class DecoderStack:
                                positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                block_tables.shape[1], context_lens.data_ptr(), cos.data_ptr(),
                                sin.data_ptr(), cos.shape[0],
+                               None if embed is None else ctypes.byref(embed),
                                None if head is None else ctypes.byref(head))
         if rc == -2:
             raise MemoryError("decode_layers: out of memory")
+        if rc == -3:
+            raise IndexError("decode_layers: a token id is beyond the embedding")
         if rc:
             raise ValueError("decode_layers: a position, slot, block or context length is out "
                              "of range")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf_factory import ModelSpec, write_model
+from gguf_factory import VOCAB_SIZE, ModelSpec, write_model
 
 from localllm.backends.cpu import CpuBackend, dispatch
 from localllm.backends.cpu.packing import cpu_packable
@@ -317,6 +317,8 @@ HEAD_SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=
                       qtypes={"token_embd.weight": QT.Q8_0}, tied=True)
 
 
+
+
 @pytest.fixture(scope="module")
 def head_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("native_head") / "m.gguf", HEAD_SPEC).path
@@ -346,6 +348,22 @@ def test_decoder_stack_runs_a_q8_0_head_as_the_model_does(small_model: torch.nn.
     assert best_logit == [want[i, b].item() for i, b in enumerate(best)]
     ref, ref_best, _ = stack.run_logits_ref(x.clone(), *args, clean, cos, sin)
     torch.testing.assert_close(logits, ref, rtol=0.0, atol=0.1)
+    # the embedding looked up in the same call: its rows as QuantLinear.embed gives them
+    assert stack.embed is not None
+    ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
+    x = m.embed_tokens.embed(ids)
+    for head in (False, True):
+        fresh = [[(k.clone(), v.clone()) for k, v in clean] for _ in range(2)]
+        got = stack.run_tokens(ids, *args, fresh[0], cos, sin, head)
+        want = (stack.run_logits if head else stack.run)(x.clone(), *args, fresh[1], cos, sin)
+        if head:
+            assert isinstance(got, tuple) and torch.equal(got[0], want[0])
+            assert got[1:] == want[1:]
+        else:
+            assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for p, q in zip(*fresh) for a, b in zip(p, q))
+    with pytest.raises(IndexError, match="token id"):
+        stack.run_tokens(torch.tensor([1, VOCAB_SIZE, 2]), *args, clean, cos, sin, True)
 
 
 def test_engine_samples_the_heads_pick_as_the_per_op_head(head_model_file: Path) -> None:

@@ -10,7 +10,8 @@ the per-op path, in the same order, so tokens come out identical either way (a s
 prompts and decodes, or with more sequences than the stack takes, returns None: the per-op
 path runs it). Where the model's LM head is a Q8_0 weight whose logits `int8_logits` computes
 (`CpuPackedWeight.fine_logits`), without bias or soft-cap, the same call runs the head too
-(logits, the refine of the best, each row's argmax): `StepLogits` for a step asked for them.
+(logits, the refine of the best, each row's argmax): `StepLogits` for a step asked for them;
+and an embedding with fp16 scales (Q8_0, Q4_0, Q5_0) has its rows looked up in it as well.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def _head(layout: DecoderLayout) -> cpu_layers.StackHead | None:
     return cpu_layers.StackHead(packed, layout.refine_top)
 
 
+def _embed(layout: DecoderLayout) -> cpu_layers.PackedLinear | None:
+    """The embedding as the stack looks its rows up (`int4_rows_half`, as `QuantLinear.embed`
+    does for a weight with fp16 scales), or None where the embedding is another kind."""
+    lin = layout.embed
+    if not isinstance(lin, QuantLinear) or not isinstance(lin.qweight, CpuPackedWeight):
+        return None
+    if not lin.qweight.half or lin.qweight.codebook is not None:
+        return None
+    return _packed(lin)
+
+
 def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
     """The layers as a `DecoderStack`, or None when a layer does not fit it."""
     if (layout.dtype != torch.bfloat16 or not cpu_native.available() or not layout.layers
@@ -74,14 +86,14 @@ def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
     # decoding rows take int4_mm in the per-op path at any count (`decode_rows`), so both
     # paths agree up to the stack's limit
     args = (layers, layout.final_norm.weight.data, dims, NATIVE_KERNEL_MAX_ROWS)
-    try:  # DecoderStack checks the rest (head sizes the attention kernel takes, shapes)
-        return cpu_layers.DecoderStack(*args, head=_head(layout))
-    except ValueError:
-        pass
-    try:  # without the head, whose layout the stack did not take
-        return cpu_layers.DecoderStack(*args)
-    except ValueError:
-        return None
+    # DecoderStack checks the rest (head sizes the attention kernel takes, shapes); without the
+    # embedding or the head where it does not take theirs
+    for head, embed in ((_head(layout), _embed(layout)), (_head(layout), None), (None, None)):
+        try:
+            return cpu_layers.DecoderStack(*args, head=head, embed=embed)
+        except ValueError:
+            pass
+    return None
 
 
 def build(layout: DecoderLayout) -> WholeStep | None:
@@ -104,14 +116,16 @@ def build(layout: DecoderLayout) -> WholeStep | None:
         if batch is None or batch.rows is not None or len(batch.seqs) > stack.max_rows:
             return None
         cos, sin = layout.rope.tables(max(meta.context_lens), positions.device)
-        x = layout.embed.embed(input_ids)
         nonlocal pools, pools_of
         if pools_of is not caches or pools[0][0] is not caches[0].k:
             pools, pools_of = [(c.k, c.v) for c in caches], caches
-        args = (x, positions, meta.slot_mapping, batch.block_tables, batch.context_lens, pools,
+        args = (positions, meta.slot_mapping, batch.block_tables, batch.context_lens, pools,
                 cos, sin)
-        if head and stack.head is not None:
-            return StepLogits(*stack.run_logits(*args))
-        return stack.run(*args)
+        head = head and stack.head is not None
+        if stack.embed is not None:  # the embedding rows looked up in the same call
+            out = stack.run_tokens(input_ids, *args, head)
+            return StepLogits(*out) if isinstance(out, tuple) else out
+        x = layout.embed.embed(input_ids)
+        return StepLogits(*stack.run_logits(x, *args)) if head else stack.run(x, *args)
 
     return step
