@@ -53,13 +53,14 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
-    float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
+    float room[XSUM_ROOM];
+    float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
     if (amx && gs == GROUP && !lut)
         int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
     else
         int4_mm_avx512(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, gs, lut);
-    free(xsum);
+    if (xsum != room) free(xsum);
     return 0;
 }
 

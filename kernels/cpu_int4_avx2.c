@@ -16,6 +16,7 @@
 
 #include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
+#include "cpu_team.h"
 #include "cpu_simd_avx2.h"
 
 #define TILE 64
@@ -145,7 +146,8 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     if (gs != 32 && gs != 16) return -2;
     const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
-    float *xsum = x_group_sums(x, M, K, ldx, gs, groups);
+    float room[XSUM_ROOM];
+    float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
     __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
     if (lut) { /* the fp32 codebook hi + lo */
@@ -153,19 +155,28 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     }
     /* NOTE: the group size and codebook switch inside the parallel loop, so that each
-     * inlined copy of tile8 is compiled with them as constants */
+     * inlined copy of tile8 is compiled with them as constants. The tiles split over the
+     * calling team (cpu_team.h) or over a team of their own. */
+#define TILE8_ANY(t)                                                                          \
+    do {                                                                                       \
+        if (gs == 32 && !lut)                                                                  \
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);       \
+        else if (gs == 16 && !lut)                                                             \
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);       \
+        else if (gs == 32)                                                                     \
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);       \
+        else                                                                                   \
+            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);       \
+    } while (0)
+    if (in_team()) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_pad / TILE; t++) TILE8_ANY(t);
+    } else {
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < n_pad / TILE; t++) {
-        if (gs == 32 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
-        else if (gs == 16 && !lut)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
-        else if (gs == 32)
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
-        else
-            tile8(x, M, K, ldx, packed, &sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
+        for (int64_t t = 0; t < n_pad / TILE; t++) TILE8_ANY(t);
     }
-    free(xsum);
+#undef TILE8_ANY
+    if (xsum != room) free(xsum);
     return 0;
 }
 

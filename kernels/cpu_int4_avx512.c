@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "cpu_int4.h"
+#include "cpu_team.h"
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
@@ -329,38 +330,52 @@ static inline __attribute__((always_inline)) void tile_unit(
     }
 }
 
-/* All tiles for the M rows of x, with groups of GS columns (operands of int4_mm_avx512). */
-static inline __attribute__((always_inline)) void tile_loop(
+/* Thread id's share of nth of the tiles for the M rows of x, groups of GS columns (operands of
+ * int4_mm_avx512). */
+static inline __attribute__((always_inline)) void tile_share(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo, int64_t nth,
+    int64_t id) {
     const int64_t tiles = n_pad / TILE;
     /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
      * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
      * takes an equal share (pairs of tiles as the unit of a static schedule gave 9 tiles on 2
      * threads as 6 and 3) */
     const int64_t step = M == 1 ? 2 : 1;
-#pragma omp parallel
-    {
-        /* more than one row of x: shares of half tiles, so that where the tiles do not split
-         * evenly (9 tiles on 2 threads: 4.5 and 4.5, not 4 and 5) a tile's two halves go to
-         * two threads (both read its bytes; each sums its rows). One row reads more than it
-         * computes: whole tiles (a half tile of one row has only two independent sums, and
-         * both threads would read it) */
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t units = M == 1 ? tiles : 2 * tiles, per = M == 1 ? 2 : 1;
-        const int64_t u0 = units * id / nth * per, u1 = units * (id + 1) / nth * per;
-        const int64_t t_end = u1 / 2;
-        if (u0 % 2 && u0 < u1)
-            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, 1, GS, USE_LUT,
-                      lut, lut_lo);
-        for (int64_t t = (u0 + 1) / 2; t < t_end; t += step)
-            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
-                      t_end - t < step ? t_end - t : step, -1, GS, USE_LUT, lut, lut_lo);
-        if (u1 % 2 && u0 < u1)
-            tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u1 / 2, 1, 0, GS, USE_LUT,
-                      lut, lut_lo);
+    /* more than one row of x: shares of half tiles, so that where the tiles do not split
+     * evenly (9 tiles on 2 threads: 4.5 and 4.5, not 4 and 5) a tile's two halves go to two
+     * threads (both read its bytes; each sums its rows). One row reads more than it computes:
+     * whole tiles (a half tile of one row has only two independent sums, and both threads
+     * would read it) */
+    const int64_t units = M == 1 ? tiles : 2 * tiles, per = M == 1 ? 2 : 1;
+    const int64_t u0 = units * id / nth * per, u1 = units * (id + 1) / nth * per;
+    const int64_t t_end = u1 / 2;
+    if (u0 % 2 && u0 < u1)
+        tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, 1, GS, USE_LUT, lut,
+                  lut_lo);
+    for (int64_t t = (u0 + 1) / 2; t < t_end; t += step)
+        tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t,
+                  t_end - t < step ? t_end - t : step, -1, GS, USE_LUT, lut, lut_lo);
+    if (u1 % 2 && u0 < u1)
+        tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u1 / 2, 1, 0, GS, USE_LUT, lut,
+                  lut_lo);
+}
+
+/* All tiles, shared by the calling team (cpu_team.h) or by a team of their own */
+static inline __attribute__((always_inline)) void tile_loop(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    if (in_team()) {
+        tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS, USE_LUT, lut,
+                   lut_lo, omp_get_num_threads(), omp_get_thread_num());
+#pragma omp barrier
+        return;
     }
+#pragma omp parallel
+    tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS, USE_LUT, lut, lut_lo,
+               omp_get_num_threads(), omp_get_thread_num());
 }
 
 void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,

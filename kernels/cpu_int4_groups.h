@@ -56,12 +56,16 @@ static inline float group_sum(const uint16_t *xg, int gs) {
     return v[0] + v[1];
 }
 
+/* Where x_group_sums writes when the caller has no room: a decode step's few rows always fit
+ * (so that a kernel called by every thread of a team cannot fail on one of them alone) */
+#define XSUM_ROOM 8192
+
 /* sx[m * groups + g] = sum of the gs bf16 values of x row m in group g (groups = planes K /
- * gs; plane p reads x[k - p K]), in fp32 (group_sum). malloc'd: the caller frees it; NULL
- * when out of memory. */
+ * gs; plane p reads x[k - p K]), in fp32 (group_sum), into room (XSUM_ROOM floats) where it
+ * fits, else malloc'd (the caller frees a result other than room); NULL when out of memory. */
 static inline float *x_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
-                                  int64_t gs, int64_t groups) {
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+                                  int64_t gs, int64_t groups, float *room) {
+    float *xsum = M * groups <= XSUM_ROOM ? room : malloc(sizeof(float) * (size_t)(M * groups));
     if (!xsum) return NULL;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++)

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "cpu_int4.h"
+#include "cpu_team.h"
 #include "cpu_simd.h"
 
 #define PREFETCH_GROUPS 4
@@ -158,15 +159,14 @@ static inline __attribute__((always_inline)) void tile_u(
     }
 }
 
-/* All tiles for the M rows of x, groups of GS columns (operands of int4_mm_u8) */
-static inline __attribute__((always_inline)) void tile_loop_u(
+/* Thread id's share of nth of the tiles for the M rows of x, groups of GS columns (operands
+ * of int4_mm_u8) */
+static inline __attribute__((always_inline)) void tile_share_u(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
-    const int GS) {
+    const int GS, int64_t nth, int64_t id) {
     const int64_t tiles = n_pad / TILE, groups = 2 * K / GS, tile_bytes = 2 * K * 32;
-#pragma omp parallel
     {
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
         float out[8 * TILE];
         const int64_t t_end = tiles * (id + 1) / nth;
         for (int64_t t = tiles * id / nth; t < t_end && M == 1; t += 2) {
@@ -206,6 +206,22 @@ static inline __attribute__((always_inline)) void tile_loop_u(
             }
         }
     }
+}
+
+/* All tiles, shared by the calling team (cpu_team.h) or by a team of their own */
+static inline __attribute__((always_inline)) void tile_loop_u(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
+    const int GS) {
+    if (in_team()) {
+        tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, omp_get_num_threads(),
+                     omp_get_thread_num());
+#pragma omp barrier
+        return;
+    }
+#pragma omp parallel
+    tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, omp_get_num_threads(),
+                 omp_get_thread_num());
 }
 
 void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,

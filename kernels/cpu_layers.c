@@ -15,10 +15,12 @@
  * refined and each row's argmax, as the per-op path computes them (int4_rows_half, int8_logits,
  * int4_refine_half, top_k), where that path took four calls and their Python between.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
 
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
@@ -69,30 +71,56 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
     if (!buf) return -2;
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
     uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
-    int rc = 0;
+    int rc = 0; /* shared: set by one thread, read by all after a barrier */
     memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
-    for (int64_t l = 0; l < n_layers && !rc; l++) {
+    /* All layers in one parallel region, every thread running the loop (cpu_team.h): the
+     * kernels split their work over the team and end with its barrier; RoPE and the K/V store
+     * run on one thread. Not with AMX tiles on (their kernel opens its own region), nor where
+     * a matmul's group sums of x would not fit its stack room (a kernel must not fail on one
+     * thread alone). Every exit below is taken by all threads at once: matmul and attention
+     * return the same value on each. */
+    const int64_t k_max = H > q_w ? (H > inter ? H : inter) : (q_w > inter ? q_w : inter);
+    const int team = omp_get_max_threads() > 1 && !int4_amx_enable(-1) &&
+                     M * (2 * k_max / 16) <= XSUM_ROOM;
+#pragma omp parallel if (team)
+    for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = &layers[l];
+        int r;
         if (l == 0)
             rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
         else
             rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
-        if ((rc = matmul(&L->qkv, h, M, H, qkv))) break;
-        if ((rc = rope(qkv, M, qkv_w, num_heads + num_kv_heads, head_dim, d->rot_dim, cos_t,
-                       sin_t, table_rows, pos, (int)d->neox)))
+        if ((r = matmul(&L->qkv, h, M, H, qkv))) {
+            if (omp_get_thread_num() == 0) rc = r;
             break;
-        if ((rc = kv_store(qkv + q_w, qkv_w, qkv + q_w + kv_w, qkv_w, slots, M, kv_w, L->k_pool,
-                           L->v_pool, d->n_blocks * d->block_size)))
+        }
+#pragma omp single
+        {
+            int e = rope(qkv, M, qkv_w, num_heads + num_kv_heads, head_dim, d->rot_dim, cos_t,
+                         sin_t, table_rows, pos, (int)d->neox);
+            if (!e)
+                e = kv_store(qkv + q_w, qkv_w, qkv + q_w + kv_w, qkv_w, slots, M, kv_w,
+                             L->k_pool, L->v_pool, d->n_blocks * d->block_size);
+            if (e) rc = e;
+        }
+        if (rc) break;
+        if ((r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
+                                  ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
+                                  d->scale, att, q_w)) ||
+            (r = matmul(&L->o, att, M, q_w, y))) {
+            if (omp_get_thread_num() == 0) rc = r;
             break;
-        if ((rc = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
-                                   ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
-                                   d->scale, att, q_w)))
-            break;
-        if ((rc = matmul(&L->o, att, M, q_w, y))) break;
+        }
         rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
-        if ((rc = matmul(&L->gate_up, h, M, H, gu))) break;
+        if ((r = matmul(&L->gate_up, h, M, H, gu))) {
+            if (omp_get_thread_num() == 0) rc = r;
+            break;
+        }
         silu_mul(gu, 2 * inter, M, inter, act, inter);
-        rc = matmul(&L->down, act, M, inter, y);
+        if ((r = matmul(&L->down, act, M, inter, y))) {
+            if (omp_get_thread_num() == 0) rc = r;
+            break;
+        }
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
     free(buf);

@@ -15,42 +15,57 @@
 #include "cpu_kernels.h"
 #include "cpu_paged.h"
 #include "cpu_simd.h"
+#include "cpu_team.h"
 
 /* RMSNorm of each row of x (bf16 [rows][dim], row stride ldx) into out (stride ldo):
  * out = bf16((x * rsqrt(mean(x^2) + eps)) * w), computed in fp32.
  * With `res` (stride ldr), x is first added to it: res = bf16(x + res), and res is normalized
  * (the residual stream: one call for `h = x + h; y = norm(h)`). */
+static inline void rms_norm_row(const uint16_t *xr, uint16_t *rr, const uint16_t *w,
+                                int64_t dim, float eps, uint16_t *o) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        __m512 v = load_bf16(xr + i, m);
+        if (rr) {
+            store_bf16(rr + i, _mm512_add_ps(v, load_bf16(rr + i, m)), m);
+            v = load_bf16(rr + i, m); /* the rounded sum is what gets normalized */
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps);
+    const uint16_t *src = rr ? rr : xr;
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 v = _mm512_mul_ps(load_bf16(src + i, m), rv);
+        store_bf16(o + i, _mm512_mul_ps(v, load_bf16(w + i, m)), m);
+    }
+}
+
+/* rows split over the calling team (cpu_team.h), or over a team of their own from 4 rows */
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
-    for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *xr = x + t * ldx;
-        uint16_t *rr = res ? res + t * ldr : NULL;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 16) {
-            const __mmask16 m = tail_mask(dim - i);
-            __m512 v = load_bf16(xr + i, m);
-            if (rr) {
-                store_bf16(rr + i, _mm512_add_ps(v, load_bf16(rr + i, m)), m);
-                v = load_bf16(rr + i, m); /* the rounded sum is what gets normalized */
-            }
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps);
-        const uint16_t *src = rr ? rr : xr;
-        const __m512 rv = _mm512_set1_ps(r);
-        for (int64_t i = 0; i < dim; i += 16) {
-            const __mmask16 m = tail_mask(dim - i);
-            const __m512 v = _mm512_mul_ps(load_bf16(src + i, m), rv);
-            store_bf16(out + t * ldo + i, _mm512_mul_ps(v, load_bf16(w + i, m)), m);
-        }
+    if (in_team()) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++)
+            rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
+        return;
     }
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t t = 0; t < rows; t++)
+        rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
 }
 
 /* out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up] (bf16 [rows][2 * inter], row
  * stride ld), as `F.silu(gate) * up` rounds. out: bf16 [rows][inter], contiguous. */
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo) {
+    if (in_team()) { /* rows split over the calling team (cpu_team.h) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (rows >= 2)
     for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
 }

@@ -12,35 +12,49 @@
 #include "cpu_kernels.h"
 #include "cpu_paged.h"
 #include "cpu_simd_avx2.h"
+#include "cpu_team.h"
 
+static inline void rms_norm_row(const uint16_t *xr, uint16_t *rr, const uint16_t *w,
+                                int64_t dim, float eps, uint16_t *o) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 8) {
+        __m256 v = load_bf16_n(xr + i, dim - i);
+        if (rr) {
+            store_bf16_n(rr + i, _mm256_add_ps(v, load_bf16_n(rr + i, dim - i)), dim - i);
+            v = load_bf16_n(rr + i, dim - i); /* the rounded sum is what gets normalized */
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const float r = 1.0f / sqrtf(hsum8(ss) / (float)dim + eps);
+    const uint16_t *src = rr ? rr : xr;
+    const __m256 rv = _mm256_set1_ps(r);
+    for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 v = _mm256_mul_ps(load_bf16_n(src + i, dim - i), rv);
+        store_bf16_n(o + i, _mm256_mul_ps(v, load_bf16_n(w + i, dim - i)), dim - i);
+    }
+}
+
+/* rows split over the calling team (cpu_team.h), or over a team of their own from 4 rows */
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
-    for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *xr = x + t * ldx;
-        uint16_t *rr = res ? res + t * ldr : NULL;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 8) {
-            __m256 v = load_bf16_n(xr + i, dim - i);
-            if (rr) {
-                store_bf16_n(rr + i, _mm256_add_ps(v, load_bf16_n(rr + i, dim - i)), dim - i);
-                v = load_bf16_n(rr + i, dim - i); /* the rounded sum is what gets normalized */
-            }
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        const float r = 1.0f / sqrtf(hsum8(ss) / (float)dim + eps);
-        const uint16_t *src = rr ? rr : xr;
-        const __m256 rv = _mm256_set1_ps(r);
-        for (int64_t i = 0; i < dim; i += 8) {
-            const __m256 v = _mm256_mul_ps(load_bf16_n(src + i, dim - i), rv);
-            store_bf16_n(out + t * ldo + i, _mm256_mul_ps(v, load_bf16_n(w + i, dim - i)),
-                         dim - i);
-        }
+    if (in_team()) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++)
+            rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
+        return;
     }
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t t = 0; t < rows; t++)
+        rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
 }
 
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo) {
+    if (in_team()) { /* rows split over the calling team (cpu_team.h) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) silu_mul_row8(gate_up + t * ld, inter, out + t * ldo);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (rows >= 2)
     for (int64_t t = 0; t < rows; t++) silu_mul_row8(gate_up + t * ld, inter, out + t * ldo);
 }

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
+
 /* A sequence longer than ATTN_UNIT positions is attended in up to ATTN_SPLITS chunks (whole
  * units: how many, only its own length decides, so its result is the same in any batch), so
  * that one long sequence keeps every core busy; the chunks' partial results are merged in
@@ -166,47 +168,93 @@ typedef void (*AttnChunk)(const uint16_t *qh, const uint16_t *kpool, const uint1
 /* bf16 out[0..head_dim) = acc * inv (each build's own rounding to bf16) */
 typedef void (*AttnStore)(uint16_t *out, const float *acc, float inv, int64_t head_dim);
 
+/* One decode_attention call's operands and plan, as its tasks read them */
+typedef struct {
+    const uint16_t *q;
+    int64_t ldq;
+    const uint16_t *kpool, *vpool;
+    const int64_t *tables;
+    int64_t width;
+    const int64_t *ctx;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    uint16_t *out;
+    int64_t ldo;
+    AttnChunk chunk_fn;
+    AttnStore store;
+    const int64_t *first; /* attn_plan's */
+    float *parts;
+    int64_t sub; /* query heads per task */
+} AttnStep;
+
+/* Task `task`: a chunk of a sequence for a KV head's sub query heads from g0 */
+static inline void attn_run(const AttnStep *s, int64_t task) {
+    const int64_t group = s->num_heads / s->num_kv_heads, pieces = (group + s->sub - 1) / s->sub;
+    const int64_t row = s->num_kv_heads * s->head_dim, stride = 2 + s->head_dim;
+    const int64_t chunk = task / (s->num_kv_heads * pieces);
+    const int64_t kh = task / pieces % s->num_kv_heads, g0 = task % pieces * s->sub;
+    const int64_t gn = group - g0 < s->sub ? group - g0 : s->sub;
+    int64_t p0, p1;
+    const int64_t b = attn_task(s->first, s->ctx, s->block_size, chunk, &p0, &p1);
+    const int whole = s->first[b + 1] - s->first[b] == 1;
+    const int64_t h0 = kh * group + g0; /* the task's first query head */
+    s->chunk_fn(s->q + b * s->ldq + h0 * s->head_dim, s->kpool, s->vpool,
+                s->tables + b * s->width, p0, p1, kh, gn, s->head_dim, row, s->block_size,
+                s->scale, whole ? NULL : s->parts + (chunk * s->num_heads + h0) * stride,
+                whole ? s->out + b * s->ldo + h0 * s->head_dim : NULL);
+}
+
+/* The sequences of several chunks merged, in order; the plan freed */
+static inline void attn_finish(const AttnStep *s, int64_t B) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < s->num_heads && s->first[b + 1] - s->first[b] > 1; h++) {
+            float acc[256] __attribute__((aligned(64)));
+            const float inv = attn_merge(s->parts, s->first, b, h, s->num_heads, s->head_dim, acc);
+            s->store(s->out + b * s->ldo + h * s->head_dim, acc, inv, s->head_dim);
+        }
+    free((void *)s->first);
+    free(s->parts);
+}
+
 /* decode_attention (operands in cpu_kernels.h) with one build's task and store: one task per
- * KV head (or piece of its query heads, attn_heads_per_task) and chunk of a sequence, shared by the
- * threads; then the sequences of several chunks merged. max_group: the most query heads per KV head the task takes. */
+ * KV head (or piece of its query heads, attn_heads_per_task) and chunk of a sequence, shared by
+ * the threads (the calling team's, cpu_team.h, or a team of their own); then the sequences of
+ * several chunks merged. max_group: the most query heads per KV head the task takes. */
 static inline int paged_decode_attention(
     const uint16_t *q, int64_t ldq, const uint16_t *kpool, const uint16_t *vpool,
     int64_t n_blocks, const int64_t *tables, int64_t width, const int64_t *ctx, int64_t B,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
     uint16_t *out, int64_t ldo, int64_t max_group, AttnChunk chunk_fn, AttnStore store) {
-    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
-    const int64_t stride = 2 + head_dim;
+    const int64_t group = num_heads / num_kv_heads;
     if (group > max_group || head_dim % 16 || head_dim > 256) return -1;
     const int64_t work = paged_positions(tables, width, ctx, B, block_size, n_blocks);
     if (work < 0) return -1;
-    int64_t *first;
-    float *parts;
-    const int64_t chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
-    if (chunks < 0) return -2;
-    const int64_t sub = attn_heads_per_task(chunks * num_kv_heads, group, omp_get_max_threads());
-    const int64_t pieces = (group + sub - 1) / sub;
-#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= ATTN_PAR_MIN)
-    for (int64_t task = 0; task < chunks * num_kv_heads * pieces; task++) {
-        const int64_t chunk = task / (num_kv_heads * pieces);
-        const int64_t kh = task / pieces % num_kv_heads, g0 = task % pieces * sub;
-        const int64_t gn = group - g0 < sub ? group - g0 : sub;
-        int64_t p0, p1;
-        const int64_t b = attn_task(first, ctx, block_size, chunk, &p0, &p1);
-        const int whole = first[b + 1] - first[b] == 1;
-        const int64_t h0 = kh * group + g0; /* the task's first query head */
-        chunk_fn(q + b * ldq + h0 * head_dim, kpool, vpool, tables + b * width, p0, p1, kh, gn,
-                 head_dim, row, block_size, scale,
-                 whole ? NULL : parts + (chunk * num_heads + h0) * stride,
-                 whole ? out + b * ldo + h0 * head_dim : NULL);
+    int64_t *first = NULL, chunks;
+    float *parts = NULL;
+    const int team = in_team();
+    if (team) {
+#pragma omp single copyprivate(first, parts, chunks)
+        chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
+    } else {
+        chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
     }
-    for (int64_t b = 0; b < B; b++) /* sequences of several chunks */
-        for (int64_t h = 0; h < num_heads && first[b + 1] - first[b] > 1; h++) {
-            float acc[256] __attribute__((aligned(64)));
-            const float inv = attn_merge(parts, first, b, h, num_heads, head_dim, acc);
-            store(out + b * ldo + h * head_dim, acc, inv, head_dim);
-        }
-    free(first);
-    free(parts);
+    if (chunks < 0) return -2;
+    const int64_t sub = attn_heads_per_task(chunks * num_kv_heads, group,
+                                            team ? omp_get_num_threads() : omp_get_max_threads());
+    const int64_t tasks = chunks * num_kv_heads * ((group + sub - 1) / sub);
+    const AttnStep st = {q, ldq, kpool, vpool, tables, width, ctx, num_heads, num_kv_heads,
+                         head_dim, block_size, scale, out, ldo, chunk_fn, store, first, parts,
+                         sub};
+    if (team) { /* the calling team's threads share the tasks (cpu_team.h) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) attn_run(&st, task);
+#pragma omp single
+        attn_finish(&st, B);
+        return 0;
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= ATTN_PAR_MIN)
+    for (int64_t task = 0; task < tasks; task++) attn_run(&st, task);
+    attn_finish(&st, B);
     return 0;
 }
 
