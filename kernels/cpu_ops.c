@@ -46,28 +46,16 @@ static inline void rms_norm_row(const uint16_t *xr, uint16_t *rr, const uint16_t
 /* rows split over the calling team (cpu_team.h), or over a team of their own from 4 rows */
 void rms_norm(const uint16_t *x, int64_t ldx, uint16_t *res, int64_t ldr, const uint16_t *w,
               int64_t rows, int64_t dim, float eps, uint16_t *out, int64_t ldo) {
-    if (in_team()) {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows; t++)
-            rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
-        return;
-    }
-#pragma omp parallel for schedule(static) if (rows >= 4)
-    for (int64_t t = 0; t < rows; t++)
-        rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo);
+    TEAM_ROWS(rows, rows >= 4, t,
+              rms_norm_row(x + t * ldx, res ? res + t * ldr : NULL, w, dim, eps, out + t * ldo));
 }
 
 /* out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up] (bf16 [rows][2 * inter], row
  * stride ld), as `F.silu(gate) * up` rounds. out: bf16 [rows][inter], contiguous. */
 void silu_mul(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t inter, uint16_t *out,
               int64_t ldo) {
-    if (in_team()) { /* rows split over the calling team (cpu_team.h) */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
-        return;
-    }
-#pragma omp parallel for schedule(static) if (rows >= 2)
-    for (int64_t t = 0; t < rows; t++) silu_mul_row(gate_up + t * ld, inter, out + t * ldo);
+    /* rows split over the calling team (cpu_team.h), or over a team of their own from 2 */
+    TEAM_ROWS(rows, rows >= 2, t, silu_mul_row(gate_up + t * ld, inter, out + t * ldo));
 }
 
 /* Rotary embedding, in place, on the first num_heads heads of each token of x (bf16, token

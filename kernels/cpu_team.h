@@ -12,4 +12,18 @@
 /* Whether the caller is one thread of an active team (decode_layers'). */
 static inline int in_team(void) { return omp_in_parallel(); }
 
+/* `stmt` for each row t (int64_t) of n: split over the calling team, or over a team of their
+ * own where `own` holds (else on this thread) */
+#define TEAM_ROWS(n, own, t, stmt)                                                             \
+    do {                                                                                       \
+        const int64_t team_rows_ = (n);                                                        \
+        const int team_own_ = (own);                                                           \
+        if (in_team()) {                                                                       \
+            _Pragma("omp for schedule(static)") for (int64_t t = 0; t < team_rows_; t++) stmt; \
+        } else {                                                                               \
+            _Pragma("omp parallel for schedule(static) if (team_own_)")                      \
+            for (int64_t t = 0; t < team_rows_; t++) stmt;                                     \
+        }                                                                                      \
+    } while (0)
+
 #endif

@@ -288,19 +288,25 @@ def test_fused_decode_equals_the_per_op_path(small_model: torch.nn.Module,
     torch.testing.assert_close(prompt, exact, rtol=0.0, atol=0.08)
 
 
+def stack_step(seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                   tuple[torch.Tensor, ...]]:
+    """A 3-sequence decode step for the small models' stacks: 2 layers' K/V pools (8 blocks
+    of 16), inputs x [3, 128], and (positions, slots, block tables, context lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
+              torch.randn(8, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    pos = torch.tensor([4, 20, 0])
+    return pools, x, (pos, torch.tensor([4, 16 + 20 % 16, 2 * 16]),
+                      torch.tensor([[0, 5], [6, 1], [2, 7]]), pos + 1)
+
+
 def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> None:
     m = small_model
     stack = build_stack(m.decoder_layout())
     assert stack is not None
-    g = torch.Generator().manual_seed(7)
-    pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
-              torch.randn(8, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    pools, x, (pos, slots, tables, ctx) = stack_step(7)
     ref_pools = [(k.clone(), v.clone()) for k, v in pools]
-    x = torch.randn(3, 128, generator=g).bfloat16()
-    pos = torch.tensor([4, 20, 0])
-    slots = torch.tensor([4, 16 + 20 % 16, 2 * 16])
-    tables = torch.tensor([[0, 5], [6, 1], [2, 7]])
-    ctx = pos + 1
     cos, sin = m.rope.tables(64, torch.device("cpu"))
     want = stack.run_ref(x.clone(), pos, slots, tables, ctx, ref_pools, cos, sin)
     got = stack.run(x.clone(), pos, slots, tables, ctx, pools, cos, sin)
@@ -317,8 +323,6 @@ HEAD_SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=
                       qtypes={"token_embd.weight": QT.Q8_0}, tied=True)
 
 
-
-
 @pytest.fixture(scope="module")
 def head_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("native_head") / "m.gguf", HEAD_SPEC).path
@@ -331,14 +335,8 @@ def test_decoder_stack_runs_a_q8_0_head_as_the_model_does(small_model: torch.nn.
     m = load_gguf(head_model_file, torch.bfloat16).model
     stack = build_stack(m.decoder_layout())
     assert stack is not None and stack.head is not None
-    g = torch.Generator().manual_seed(8)
-    pools = [(torch.randn(8, 16, 2, 32, generator=g).bfloat16(),
-              torch.randn(8, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    pools, x, args = stack_step(8)
     clean = [(k.clone(), v.clone()) for k, v in pools]
-    x = torch.randn(3, 128, generator=g).bfloat16()
-    pos = torch.tensor([4, 20, 0])
-    args = (pos, torch.tensor([4, 16 + 4, 2 * 16]), torch.tensor([[0, 5], [6, 1], [2, 7]]),
-            pos + 1)
     cos, sin = m.rope.tables(64, torch.device("cpu"))
     logits, best, best_logit = stack.run_logits(x.clone(), *args, pools, cos, sin)
     again = [(k.clone(), v.clone()) for k, v in clean]
