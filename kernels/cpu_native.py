@@ -61,9 +61,9 @@ SOURCES = {
 }
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int8_rows.h",
-                     "cpu_paged.h", "cpu_simd.h"),
+                     "cpu_paged.h", "cpu_simd.h", "cpu_team.h"),
     "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_int8_rows.h", "cpu_paged.h",
-                   "cpu_simd_avx2.h"),
+                   "cpu_simd_avx2.h", "cpu_team.h"),
 }
 ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",

@@ -641,3 +641,22 @@ def test_each_build_has_its_own_library_file_and_the_switch_forces_one(native_is
     assert "LOCALLLM_NATIVE_ISA=avx3 is none of avx512, avx2" in out
     with pytest.raises(ValueError, match="unknown native build 'avx3'"):
         cpu_native.set_isa("avx3")
+
+
+@pytest.mark.parametrize("name", cpu_native.ISAS)
+def test_a_builds_hash_covers_every_header_its_sources_include(name: str) -> None:
+    # the library's file name hashes SOURCES and HEADERS: a header missing from HEADERS would
+    # leave a stale library in use after that header changed
+    import re
+
+    listed = {p.name for p in cpu_native.HEADERS[name]}
+    todo = list(cpu_native.SOURCES[name])
+    seen: set[str] = set()
+    while todo:
+        path = todo.pop()
+        for inc in re.findall(r'#include "([^"]+)"', path.read_text()):
+            assert inc in listed, f"{path.name} includes {inc}, not in HEADERS[{name!r}]"
+            if inc not in seen:
+                seen.add(inc)
+                todo.append(path.with_name(inc))
+    assert seen == listed
