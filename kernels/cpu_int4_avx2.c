@@ -178,15 +178,8 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     }
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
-    if (in_team()) {
-        tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs, lut, lut0, lut1,
-                    omp_get_num_threads(), omp_get_thread_num());
-#pragma omp barrier
-    } else {
-#pragma omp parallel
-        tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs, lut, lut0, lut1,
-                    omp_get_num_threads(), omp_get_thread_num());
-    }
+    TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs,
+                                  lut, lut0, lut1, nth, id));
     if (xsum != room) free(xsum);
     return 0;
 }

@@ -367,15 +367,8 @@ static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
     int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
-    if (in_team()) {
-        tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS, USE_LUT, lut,
-                   lut_lo, omp_get_num_threads(), omp_get_thread_num());
-#pragma omp barrier
-        return;
-    }
-#pragma omp parallel
-    tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS, USE_LUT, lut, lut_lo,
-               omp_get_num_threads(), omp_get_thread_num());
+    TEAM_RUN(nth, id, tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS,
+                                 USE_LUT, lut, lut_lo, nth, id));
 }
 
 void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,

@@ -166,44 +166,42 @@ static inline __attribute__((always_inline)) void tile_share_u(
     const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
     const int GS, int64_t nth, int64_t id) {
     const int64_t tiles = n_pad / TILE, groups = 2 * K / GS, tile_bytes = 2 * K * 32;
-    {
-        float out[8 * TILE];
-        const int64_t t_end = tiles * (id + 1) / nth;
-        for (int64_t t = tiles * id / nth; t < t_end && M == 1; t += 2) {
-            /* one row: tiles two at a time (8 independent sums hide the products' latency) */
-            const int64_t nt = t_end - t < 2 ? t_end - t : 2;
-            if (nt == 2)
-                tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
-                         out, 2, GS);
-            else
-                tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
-                         out, 1, GS);
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                for (int64_t r = 0; r < rows; r += 16)
-                    store_floats_bf16(out + i * TILE + r, y + n0 + r, rows - r);
-            }
+    float out[8 * TILE];
+    const int64_t t_end = tiles * (id + 1) / nth;
+    for (int64_t t = tiles * id / nth; t < t_end && M == 1; t += 2) {
+        /* one row: tiles two at a time (8 independent sums hide the products' latency) */
+        const int64_t nt = t_end - t < 2 ? t_end - t : 2;
+        if (nt == 2)
+            tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
+                     out, 2, GS);
+        else
+            tiles_u1(packed + t * tile_bytes, tile_bytes, sz, t * TILE, x, K, groups, xsum,
+                     out, 1, GS);
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t r = 0; r < rows; r += 16)
+                store_floats_bf16(out + i * TILE + r, y + n0 + r, rows - r);
         }
-        for (int64_t t = tiles * id / nth; t < t_end && M > 1; t++) {
-            const uint8_t *tile = packed + t * tile_bytes;
-            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-            for (int64_t m = 0; m < M;) {
-                const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-                const uint16_t *xm = x + m * ldx;
-                const float *xs = xsum + m * groups;
-                if (mr == 8)
-                    tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 8, GS);
-                else if (mr == 4)
-                    tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 4, GS);
-                else if (mr == 2)
-                    tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 2, GS);
-                else
-                    tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 1, GS);
-                for (int64_t j = 0; j < mr; j++)
-                    for (int64_t r = 0; r < rows; r += 16)
-                        store_floats_bf16(out + j * TILE + r, y + (m + j) * ldy + n0 + r, rows - r);
-                m += mr;
-            }
+    }
+    for (int64_t t = tiles * id / nth; t < t_end && M > 1; t++) {
+        const uint8_t *tile = packed + t * tile_bytes;
+        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < M;) {
+            const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+            const uint16_t *xm = x + m * ldx;
+            const float *xs = xsum + m * groups;
+            if (mr == 8)
+                tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 8, GS);
+            else if (mr == 4)
+                tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 4, GS);
+            else if (mr == 2)
+                tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 2, GS);
+            else
+                tile_u(tile, sz, n0, xm, ldx, K, groups, xs, out, 1, GS);
+            for (int64_t j = 0; j < mr; j++)
+                for (int64_t r = 0; r < rows; r += 16)
+                    store_floats_bf16(out + j * TILE + r, y + (m + j) * ldy + n0 + r, rows - r);
+            m += mr;
         }
     }
 }
@@ -213,15 +211,8 @@ static inline __attribute__((always_inline)) void tile_loop_u(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
     const int GS) {
-    if (in_team()) {
-        tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, omp_get_num_threads(),
-                     omp_get_thread_num());
-#pragma omp barrier
-        return;
-    }
-#pragma omp parallel
-    tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, omp_get_num_threads(),
-                 omp_get_thread_num());
+    TEAM_RUN(nth, id,
+             tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, nth, id));
 }
 
 void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,

@@ -23,10 +23,10 @@
 /* Decode attention runs on the threads from this many multiply-adds of q . k (positions x
  * query heads x head_dim): ctx 29 and on at one sequence of 9 x 64 heads */
 #define ATTN_PAR_MIN 16384
-/* Query heads per task: each KV head's are split into as many pieces as give the threads at least two
- * tasks each, where a step's sequences and chunks give fewer (one sequence with 3 KV heads on
- * 2 threads ran 2:1, or on one thread below 114 positions). Each query head's sums are its
- * own, so a sequence's result is the same however its heads are split. */
+/* Query heads per task: each KV head's are split into as many pieces as give the threads at
+ * least two tasks each, where a step's sequences and chunks give fewer (one sequence with 3 KV
+ * heads on 2 threads ran 2:1, or on one thread below 114 positions). Each query head's sums
+ * are its own, so a sequence's result is the same however its heads are split. */
 static inline int64_t attn_heads_per_task(int64_t tasks, int64_t group, int64_t threads) {
     int64_t pieces = (2 * threads + tasks - 1) / tasks;
     pieces = pieces > group ? group : pieces;

@@ -12,6 +12,22 @@
 /* Whether the caller is one thread of an active team (decode_layers'). */
 static inline int in_team(void) { return omp_in_parallel(); }
 
+/* `stmt` on every thread of the calling team, then its barrier, or of a team of its own;
+ * `nth` and `id` name the team's size and the thread's number inside stmt */
+#define TEAM_RUN(nth, id, stmt)                                                                \
+    do {                                                                                       \
+        if (in_team()) {                                                                       \
+            const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();              \
+            stmt;                                                                              \
+            _Pragma("omp barrier")                                                             \
+        } else {                                                                               \
+            _Pragma("omp parallel") {                                                          \
+                const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();          \
+                stmt;                                                                          \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
 /* `stmt` for each row t (int64_t) of n: split over the calling team, or over a team of their
  * own where `own` holds (else on this thread) */
 #define TEAM_ROWS(n, own, t, stmt)                                                             \
