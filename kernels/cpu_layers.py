@@ -181,6 +181,12 @@ class DecoderStack:
         self.layers, self.final_norm, self.dims, self.head = layers, final_norm, dims, head
         self.embed = embed
         self._x = torch.empty(max_rows, d.hidden, dtype=torch.bfloat16)  # run_tokens' inputs
+        if head is not None:  # the head's struct and its best ids / logits, filled per call
+            self._best = (ctypes.c_int64 * max_rows)()
+            self._best_logit = (ctypes.c_float * max_rows)()
+            self._head = _StepHead(head.weight.struct(), head.refine_k, None,
+                                   ctypes.addressof(self._best),
+                                   ctypes.addressof(self._best_logit))
         self._structs = (_DecoderLayer * len(layers))(*[
             _DecoderLayer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.struct(),
                           l.o.struct(), l.gate_up.struct(), l.down.struct(), None, None)
@@ -256,14 +262,12 @@ class DecoderStack:
                 sin: torch.Tensor) -> HeadOutput:
         # m: rows of x the call embeds itself (run_tokens); None: x holds the inputs
         assert self.head is not None, "DecoderStack: no head"
-        rows, w = x.shape[0] if m is None else m, self.head.weight
-        logits = torch.empty(rows, w.out_features, dtype=torch.float32)
-        best, best_logit = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
-        head = _StepHead(w.struct(), self.head.refine_k, logits.data_ptr(),
-                         ctypes.addressof(best), ctypes.addressof(best_logit))
+        rows = x.shape[0] if m is None else m
+        logits = torch.empty(rows, self.head.weight.out_features, dtype=torch.float32)
+        self._head.logits = logits.data_ptr()
         self._call(x, m, positions, slots, block_tables, context_lens, pools, cos, sin,
-                   None if m is None else self._embed, head)
-        return logits, list(best), list(best_logit)
+                   None if m is None else self._embed, self._head)
+        return logits, self._best[:rows], self._best_logit[:rows]
 
     def _call(self, x: torch.Tensor, m: int | None, positions: torch.Tensor,
               slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -227,12 +227,11 @@ class BlockManager:
         """Hash the blocks that became full, insert them in the cache and hand them to the
         store (which copies them out now and writes them later); the new hashes."""
         bs = self.block_size
-        tokens = req.all_token_ids
         new: list[bytes] = []
         keys: list[BlockKey] = []
         for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
             parent = req.block_hashes[-1] if req.block_hashes else b""
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(req.token_ids(i * bs, (i + 1) * bs))
             h = block_hash(parent, chunk, self.fingerprint)
             req.block_hashes.append(h)
             keys.append(BlockKey(h, chunk))

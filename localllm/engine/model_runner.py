@@ -109,25 +109,31 @@ class ModelRunner:
         for s in batch:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(req.token_ids(start, end))
             pos.extend(range(start, end))
             table = req.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qlens.append(s.num_new_tokens)
             ctxs.append(end)
         width = max(len(s.request.block_table) for s in batch)
-        tables = [s.request.block_table + [0] * (width - len(s.request.block_table))
-                  for s in batch]
-        dev = self.device
+        flat = ids + pos + slots + ctxs
+        for s in batch:
+            flat += s.request.block_table
+            flat += [0] * (width - len(s.request.block_table))
+        # one copy to the device, then views: ids | positions | slots | context lens | tables
+        # (a step's tensors cost several microseconds each, a third of its Python at batch 1)
+        n, b = len(ids), len(batch)
+        t_ids, t_pos, t_slots, t_ctxs, t_tables = torch.tensor(
+            flat, dtype=torch.long, device=self.device).split((n, n, n, b, b * width))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            slot_mapping=t_slots,
+            block_tables=t_tables.view(b, width),
             query_lens=qlens,
             context_lens=ctxs,
             block_size=bs,
+            context_lens_tensor=t_ctxs,
         )
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+        return t_ids, t_pos, meta
 
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         """Run one step: the sampling requests' logits [num_sampling, vocab] fp32 on the

@@ -42,6 +42,8 @@ class AttentionMetadata:
     query_lens: list[int]  # per sequence, sums to num_tokens
     context_lens: list[int]  # per sequence: cached tokens after this step (incl. new ones)
     block_size: int
+    # context_lens as int64 [num_seqs] on the device, where the step's builder made it
+    context_lens_tensor: torch.Tensor | None = None
     _seq_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # a backend's per-step plans, by the function that builds them (see `plan`)
     _plans: dict[object, object] = field(default_factory=dict, repr=False)

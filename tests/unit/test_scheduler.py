@@ -142,3 +142,16 @@ def test_random_workloads_never_leak_or_double_own_blocks(
             assert len(req.output_ids) == req.params.max_tokens
     assert s.bm.num_free_blocks == num_blocks
     s.bm.check_invariants([])
+
+
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=12),
+       st.lists(st.integers(0, 99), max_size=12), st.data())
+@settings(max_examples=200, deadline=None)
+def test_token_ids_is_a_slice_of_all_token_ids(prompt: list[int], output: list[int],
+                                               data: st.DataObject) -> None:
+    req = Request(prompt, SamplingParams(max_tokens=20, temperature=0))
+    req.output_ids = list(output)
+    n = len(prompt) + len(output)
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n))
+    assert req.token_ids(start, end) == req.all_token_ids[start:end]

@@ -34,6 +34,9 @@ def decode_batch(meta: AttentionMetadata) -> DecodeBatch | None:
     dev = meta.block_tables.device
     if len(seqs) == len(meta.query_lens):
         rows, tables = None, meta.block_tables.contiguous()
+        ctxs = meta.context_lens_tensor
+        if ctxs is not None and ctxs.dtype == torch.long:
+            return DecodeBatch(rows, seqs, tables, ctxs)
     else:
         rows = meta.rows_of(seqs)
         tables = meta.block_tables[torch.tensor(seqs, device=dev)].contiguous()
