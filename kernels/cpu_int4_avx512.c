@@ -83,8 +83,13 @@ static inline __attribute__((always_inline)) void tiles_rows(
             int32_t pair[2];
             for (int m = 0; m < MR; m++) __builtin_memcpy(&pair[m], x + m * ldx + kx + 2 * kp, 4);
             for (int i = 0; i < NT; i++) {
-                const uint8_t *p = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                const int64_t o = (g * GS + 2 * kp) * 32;
+                const uint8_t *p = tile + i * tile_bytes + o;
+                /* with two tiles, PREFETCH_BYTES past tile i's end is tile i + 1, already
+                 * being read: take those bytes of tile i + 2 (the next pair's) instead */
+                _mm_prefetch((const char *)p + PREFETCH_BYTES +
+                                 (NT == 2 && o + PREFETCH_BYTES >= tile_bytes ? tile_bytes : 0),
+                             _MM_HINT_T0);
                 __m512i w[4], wlo[4];
                 unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
                 for (int m = 0; m < MR; m++) {
