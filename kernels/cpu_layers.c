@@ -50,6 +50,36 @@ static int embed_rows(const StepEmbed *e, int64_t M, int64_t H, uint16_t *x) {
     return 0;
 }
 
+/* RoPE on q and k of the step's M rows (qkv: bf16 [M][qkv_w]) and their K and V stored, on
+ * thread id of nth: with as many rows as threads, a share of the rows; with fewer, one row's
+ * q heads on thread 0 and its k heads and the store on thread 1 (every head rotates alone and
+ * every row is copied alone, so the values do not depend on the split). Returns rope's or
+ * kv_store's error, on the threads that found it (a bad position stores nothing of its rows). */
+static int rope_store(uint16_t *qkv, int64_t M, const DecoderDims *d, const DecoderLayer *L,
+                      const float *cos_t, const float *sin_t, int64_t table_rows,
+                      const int64_t *pos, const int64_t *slots, int64_t nth, int64_t id) {
+    const int64_t hd = d->head_dim, q_w = d->num_heads * hd, kv_w = d->num_kv_heads * hd;
+    const int64_t qkv_w = q_w + 2 * kv_w, n_slots = d->n_blocks * d->block_size;
+    int64_t r0 = 0, r1 = M, h0 = 0, h1 = d->num_heads + d->num_kv_heads;
+    if (M >= nth) {
+        r0 = M * id / nth;
+        r1 = M * (id + 1) / nth;
+    } else if (id == 0) {
+        h1 = d->num_heads;
+    } else if (id == 1) {
+        h0 = d->num_heads;
+    } else {
+        return 0;
+    }
+    if (r0 == r1) return 0;
+    int e = rope(qkv + r0 * qkv_w + h0 * hd, r1 - r0, qkv_w, h1 - h0, hd, d->rot_dim, cos_t,
+                 sin_t, table_rows, pos + r0, (int)d->neox);
+    if (!e && h1 > d->num_heads) /* this thread rotated the k heads: it stores the rows */
+        e = kv_store(qkv + r0 * qkv_w + q_w, qkv_w, qkv + r0 * qkv_w + q_w + kv_w, qkv_w,
+                     slots + r0, r1 - r0, kv_w, L->k_pool, L->v_pool, n_slots);
+    return e;
+}
+
 /* x: bf16 [M][hidden], the step's embeddings (with `embed`, looked up here first); overwritten
  * with the final normalized hidden states. Returns 0; -1 on a bad position, slot, block or
  * context length (reported by the step that found it; earlier layers' K/V are then already
@@ -94,14 +124,14 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
-#pragma omp single
         {
-            int e = rope(qkv, M, qkv_w, num_heads + num_kv_heads, head_dim, d->rot_dim, cos_t,
-                         sin_t, table_rows, pos, (int)d->neox);
-            if (!e)
-                e = kv_store(qkv + q_w, qkv_w, qkv + q_w + kv_w, qkv_w, slots, M, kv_w,
-                             L->k_pool, L->v_pool, d->n_blocks * d->block_size);
-            if (e) rc = e;
+            const int e = rope_store(qkv, M, d, L, cos_t, sin_t, table_rows, pos, slots,
+                                     omp_get_num_threads(), omp_get_thread_num());
+            if (e) {
+#pragma omp atomic write
+                rc = e;
+            }
+#pragma omp barrier
         }
         if (rc) break;
         if ((r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,

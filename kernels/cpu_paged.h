@@ -23,6 +23,8 @@
 /* Decode attention runs on the threads from this many multiply-adds of q . k (positions x
  * query heads x head_dim): ctx 29 and on at one sequence of 9 x 64 heads */
 #define ATTN_PAR_MIN 16384
+/* The most sequences whose plan a team's threads make on their own stacks, plus one */
+#define ATTN_ROOM 257
 /* Query heads per task: each KV head's are split into as many pieces as give the threads at
  * least two tasks each, where a step's sequences and chunks give fewer (one sequence with 3 KV
  * heads on 2 threads ran 2:1, or on one thread below 114 positions). Each query head's sums
@@ -66,6 +68,19 @@ static inline int64_t attn_plan(const int64_t *ctx, int64_t B, int64_t block_siz
         }
     }
     return chunks;
+}
+
+/* attn_plan's `first` into room (int64 [B + 1]) where no sequence has more than one chunk: 1
+ * then (the plan needs no parts: each thread of a team can hold its own copy), else 0 */
+static inline int attn_plan_whole(const int64_t *ctx, int64_t B, int64_t block_size,
+                                  int64_t *room) {
+    room[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len;
+        if (attn_chunks(ctx[b], block_size, &len) != 1) return 0;
+        room[b + 1] = b + 1;
+    }
+    return 1;
 }
 
 /* Chunk `chunk` of the plan: its sequence (returned) and positions [*p0, *p1) */
@@ -232,7 +247,14 @@ static inline int paged_decode_attention(
     int64_t *first = NULL, chunks;
     float *parts = NULL;
     const int team = in_team();
-    if (team) {
+    /* a team's threads each make the plan of a step without split sequences on their stack
+     * (the same values: no thread waits for another's), else one thread makes it for all */
+    int64_t room[ATTN_ROOM];
+    const int whole = team && B < ATTN_ROOM && attn_plan_whole(ctx, B, block_size, room);
+    if (whole) {
+        first = room;
+        chunks = B;
+    } else if (team) {
 #pragma omp single copyprivate(first, parts, chunks)
         chunks = attn_plan(ctx, B, block_size, num_heads, head_dim, &first, &parts);
     } else {
@@ -248,8 +270,10 @@ static inline int paged_decode_attention(
     if (team) { /* the calling team's threads share the tasks (cpu_team.h) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) attn_run(&st, task);
+        if (!whole) {
 #pragma omp single
-        attn_finish(&st, B);
+            attn_finish(&st, B);
+        }
         return 0;
     }
 #pragma omp parallel for schedule(dynamic, 1) if (work * num_heads * head_dim >= ATTN_PAR_MIN)

@@ -316,6 +316,16 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
         torch.testing.assert_close(v.float(), rv.float(), rtol=0.05, atol=0.05)
     with pytest.raises(ValueError, match="out of range"):
         stack.run(x.clone(), pos, slots, tables, ctx + 40, pools, cos, sin)
+    # a position beyond the cos/sin tables: an error, for a row of a batch or alone (where one
+    # thread rotates q and another k and stores: then nothing is stored)
+    far = torch.tensor([4, 20, cos.shape[0]])
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run(x.clone(), far, slots, tables, ctx, pools, cos, sin)
+    before = [(k.clone(), v.clone()) for k, v in pools]
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run(x[2:].clone(), far[2:], slots[2:], tables[2:], ctx[2:], pools, cos, sin)
+    assert all(torch.equal(k, bk) and torch.equal(v, bv)
+               for (k, v), (bk, bv) in zip(pools, before))
 
 
 # the default model's kind of head: tied to a Q8_0 embedding, logits from int8_logits
