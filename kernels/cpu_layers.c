@@ -101,14 +101,14 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
     if (!buf) return -2;
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
     uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
-    int rc = 0; /* shared: set by one thread, read by all after a barrier */
+    int rc = 0; /* shared: set by the threads that found an error, read by all after a barrier */
     memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
     /* All layers in one parallel region, every thread running the loop (cpu_team.h): the
-     * kernels split their work over the team and end with its barrier; RoPE and the K/V store
-     * run on one thread. Not with AMX tiles on (their kernel opens its own region), nor where
+     * kernels split their work over the team and end with its barrier, as do RoPE and the K/V
+     * store (rope_store). Not with AMX tiles on (their kernel opens its own region), nor where
      * a matmul's group sums of x would not fit its stack room (a kernel must not fail on one
      * thread alone). Every exit below is taken by all threads at once: matmul and attention
-     * return the same value on each. */
+     * return the same value on each, and rope_store's errors are read after a barrier. */
     const int64_t k_max = H > q_w ? (H > inter ? H : inter) : (q_w > inter ? q_w : inter);
     const int team = omp_get_max_threads() > 1 && !int4_amx_enable(-1) &&
                      M * (2 * k_max / 16) <= XSUM_ROOM;
