@@ -328,6 +328,29 @@ def test_decoder_stack_matches_its_reference(small_model: torch.nn.Module) -> No
                for (k, v), (bk, bv) in zip(pools, before))
 
 
+def test_decoder_stack_with_a_sequence_split_into_chunks(small_model: torch.nn.Module) -> None:
+    # a context past ATTN_UNIT (512) positions is attended in chunks merged in order: inside
+    # the step's team, the plan one thread makes and the merge; beside it, a short sequence
+    m = small_model
+    stack = build_stack(m.decoder_layout())
+    assert stack is not None
+    g = torch.Generator().manual_seed(3)
+    pools = [(torch.randn(48, 16, 2, 32, generator=g).bfloat16(),
+              torch.randn(48, 16, 2, 32, generator=g).bfloat16()) for _ in range(2)]
+    ref_pools = [(k.clone(), v.clone()) for k, v in pools]
+    x = torch.randn(2, 128, generator=g).bfloat16()
+    pos = torch.tensor([700, 3])
+    tables = torch.tensor([list(range(44)), [44] + [0] * 43])
+    slots = torch.tensor([43 * 16 + 700 % 16, 44 * 16 + 3])
+    cos, sin = m.rope.tables(704, torch.device("cpu"))
+    want = stack.run_ref(x.clone(), pos, slots, tables, pos + 1, ref_pools, cos, sin)
+    got = stack.run(x.clone(), pos, slots, tables, pos + 1, pools, cos, sin)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    alone = stack.run(x[:1].clone(), pos[:1], slots[:1], tables[:1], pos[:1] + 1,
+                      [(k.clone(), v.clone()) for k, v in ref_pools], cos, sin)
+    assert torch.equal(alone, got[:1])  # the long sequence alone: the same bits
+
+
 # the default model's kind of head: tied to a Q8_0 embedding, logits from int8_logits
 HEAD_SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
                       qtypes={"token_embd.weight": QT.Q8_0}, tied=True)
