@@ -44,22 +44,29 @@ static inline int64_t attn_chunks(int64_t n, int64_t block_size, int64_t *len) {
     return (units + per - 1) / per;
 }
 
-/* The chunks of B sequences: first (malloc'd, [B + 1]): sequence b's chunks are first[b] ..
- * first[b + 1] - 1; parts: malloc'd where a sequence has more than one chunk (else NULL),
- * fp32 [chunks][num_heads][2 + head_dim], each head's (max, denominator, unnormalized sum of
- * V) over its chunk. Returns the number of chunks; -2 out of memory. */
+/* first (int64 [B + 1]): sequence b's chunks are first[b] .. first[b + 1] - 1. Returns the
+ * number of chunks (B where no sequence has more than one). */
+static inline int64_t attn_first(const int64_t *ctx, int64_t B, int64_t block_size,
+                                 int64_t *first) {
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len;
+        first[b + 1] = first[b] + attn_chunks(ctx[b], block_size, &len);
+    }
+    return first[B];
+}
+
+/* The chunks of B sequences: first (malloc'd, attn_first's); parts: malloc'd where a sequence
+ * has more than one chunk (else NULL), fp32 [chunks][num_heads][2 + head_dim], each head's
+ * (max, denominator, unnormalized sum of V) over its chunk. Returns the number of chunks; -2
+ * out of memory. */
 static inline int64_t attn_plan(const int64_t *ctx, int64_t B, int64_t block_size,
                                 int64_t num_heads, int64_t head_dim, int64_t **first,
                                 float **parts) {
     *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
     *parts = NULL;
     if (!*first) return -2;
-    (*first)[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t len;
-        (*first)[b + 1] = (*first)[b] + attn_chunks(ctx[b], block_size, &len);
-    }
-    const int64_t chunks = (*first)[B];
+    const int64_t chunks = attn_first(ctx, B, block_size, *first);
     if (chunks > B) {
         *parts = malloc(sizeof(float) * (size_t)(chunks * num_heads * (2 + head_dim)));
         if (!*parts) {
@@ -68,19 +75,6 @@ static inline int64_t attn_plan(const int64_t *ctx, int64_t B, int64_t block_siz
         }
     }
     return chunks;
-}
-
-/* attn_plan's `first` into room (int64 [B + 1]) where no sequence has more than one chunk: 1
- * then (the plan needs no parts: each thread of a team can hold its own copy), else 0 */
-static inline int attn_plan_whole(const int64_t *ctx, int64_t B, int64_t block_size,
-                                  int64_t *room) {
-    room[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t len;
-        if (attn_chunks(ctx[b], block_size, &len) != 1) return 0;
-        room[b + 1] = b + 1;
-    }
-    return 1;
 }
 
 /* Chunk `chunk` of the plan: its sequence (returned) and positions [*p0, *p1) */
@@ -250,7 +244,7 @@ static inline int paged_decode_attention(
     /* a team's threads each make the plan of a step without split sequences on their stack
      * (the same values: no thread waits for another's), else one thread makes it for all */
     int64_t room[ATTN_ROOM];
-    const int whole = team && B < ATTN_ROOM && attn_plan_whole(ctx, B, block_size, room);
+    const int whole = team && B < ATTN_ROOM && attn_first(ctx, B, block_size, room) == B;
     if (whole) {
         first = room;
         chunks = B;
