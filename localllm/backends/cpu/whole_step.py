@@ -88,7 +88,8 @@ def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
     args = (layers, layout.final_norm.weight.data, dims, NATIVE_KERNEL_MAX_ROWS)
     # DecoderStack checks the rest (head sizes the attention kernel takes, shapes); without the
     # embedding or the head where it does not take theirs
-    for head, embed in ((_head(layout), _embed(layout)), (_head(layout), None), (None, None)):
+    lm_head, rows = _head(layout), _embed(layout)
+    for head, embed in ((lm_head, rows), (lm_head, None), (None, None)):
         try:
             return cpu_layers.DecoderStack(*args, head=head, embed=embed)
         except ValueError:
