@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_team.h"
 
 /* an fp16 value in fp32 (exact, subnormals included) */
 static float half_to_float(uint16_t h) {
@@ -33,8 +34,7 @@ static float half_to_float(uint16_t h) {
 void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t n_pad,
                     int64_t planes, int64_t gs, const int64_t *ids, int64_t T, float *out) {
     const int64_t K2 = planes * K;
-#pragma omp parallel for schedule(static) if (T >= 32)
-    for (int64_t i = 0; i < T; i++) {
+    OWN_ROWS(T, T >= 32, i, {
         const int64_t n = ids[i], shift = n % 64 >= 32 ? 4 : 0;
         const uint8_t *hi = packed + (n / 64) * K2 * 32 + n % 32; /* column 0's byte */
         const uint8_t *lo = hi + K * 32;                          /* plane 1 (two planes) */
@@ -46,7 +46,7 @@ void int4_rows_half(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_
                 o[j] = (float)(planes == 2 ? c * 16 + ((lo[k * 32] >> shift) & 15) : c) * s;
             }
         }
-    }
+    });
 }
 
 /* For each row m of x (bf16 [M][ldx]): the k largest of logits[m] (fp32 [M][ldl], N used;

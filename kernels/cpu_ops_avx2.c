@@ -54,8 +54,7 @@ int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t he
     for (int64_t t = 0; t < tokens; t++)
         if (pos[t] < 0 || pos[t] >= table_rows) return -1;
     const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
-#pragma omp parallel for schedule(static) if (tokens >= 32)
-    for (int64_t t = 0; t < tokens; t++) {
+    OWN_ROWS(tokens, tokens >= 32, t, {
         const float *c = cos_t + pos[t] * half, *s = sin_t + pos[t] * half;
         for (int64_t h = 0; h < num_heads; h++) {
             uint16_t *p = x + t * ldt + h * head_dim;
@@ -84,7 +83,7 @@ int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t he
                 }
             }
         }
-    }
+    });
     return 0;
 }
 
