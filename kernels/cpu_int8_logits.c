@@ -66,10 +66,12 @@ static inline __attribute__((always_inline)) void u_words(const uint8_t *ph, int
                 for (int j = 0; j < A_VECS; j++) a[m][j] = _mm512_setzero_si512();             \
             for (int kp = 0; kp < GS / 2; kp++) {                                              \
                 const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;                             \
-                if (V0 == 0) { /* one pass: PREFETCH_BYTES ahead; two: the next tile's lines */ \
-                    const int64_t ahead = (A_VECS == 4 ? 4 : 2) * K * 32;              \
-                    _mm_prefetch((const char *)ph + ahead, _MM_HINT_T0);                       \
-                    _mm_prefetch((const char *)ph + K * 32 + ahead, _MM_HINT_T0);              \
+                if (A_VECS == 4) { /* one pass: both planes' lines two tiles on */             \
+                    _mm_prefetch((const char *)ph + 4 * K * 32, _MM_HINT_T0);                  \
+                    _mm_prefetch((const char *)ph + 5 * K * 32, _MM_HINT_T0);                  \
+                } else { /* two: the next tile's, one plane a pass (the second pass, with      \
+                          * none, left the memory idle while it read the tile from L1/L2) */   \
+                    _mm_prefetch((const char *)ph + (V0 == 0 ? 2 : 3) * K * 32, _MM_HINT_T0);  \
                 }                                                                              \
                 __m512i w[4];                                                                  \
                 u_words(ph, K, w);                                                             \
