@@ -76,6 +76,12 @@ static inline __attribute__((always_inline)) void half_rows(
             if (half == 0) {
                 _mm_prefetch((const char *)ph + PREFETCH_BYTES, _MM_HINT_T0);
                 _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, _MM_HINT_T0);
+            } else if ((g * GS + 2 * kp) * 32 < PREFETCH_BYTES) {
+                /* the next tile's first lines, which the first half's prefetch (PREFETCH_BYTES
+                 * on) never reaches; the memory is otherwise idle while the second half reads
+                 * the tile again from the caches */
+                _mm_prefetch((const char *)ph + 2 * K * 32, _MM_HINT_T0);
+                _mm_prefetch((const char *)ph + 3 * K * 32, _MM_HINT_T0);
             }
             __m256i W[4];
             u_words8(ph, K, half, W);
