@@ -143,6 +143,69 @@ static __attribute__((noinline)) void tiles2_row1(const uint8_t *tile, int64_t t
     }
 }
 
+/* Two consecutive tiles (tile_bytes apart) for 4 rows of x, their row blocks V0 and V0 + 1
+ * (16 sums: 2 tiles x 4 rows x 2 blocks), added into out[(i * 4 + m) * 64 + row] (fp32) group
+ * by group: the sums of tile_part2, in the same order. Four streams of lines from memory
+ * where one tile at a time read two (8 rows' head from memory 2-8% faster, in-process A/B).
+ * The pass prefetches, two tiles on, the (tile, plane) streams s = 2 i + plane whose bit is
+ * set in `streams`, so that a pair's passes share the next pair's lines. */
+static __attribute__((noinline)) void tiles2_rows4(const uint8_t *tile, int64_t tile_bytes,
+                                                   const uint16_t *scales, int64_t n_pad,
+                                                   int64_t row0, int64_t K, const int16_t *v,
+                                                   const float *sx, const int32_t *corr,
+                                                   float *out, const int V0, const int streams) {
+    const int64_t groups = K / GS;
+    const __m512i hi4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i ia = _mm512_load_si512(PAIR_INDEX[0]), ib = _mm512_load_si512(PAIR_INDEX[1]);
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + LOGIT_PREFETCH_GROUPS < groups)
+            for (int i = 0; i < 2; i++)
+                _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0 +
+                                            i * TILE + 16 * V0),
+                             _MM_HINT_T0);
+        __m512i a[2][4][2];
+        for (int i = 0; i < 2; i++)
+            for (int m = 0; m < 4; m++) a[i][m][0] = a[i][m][1] = _mm512_setzero_si512();
+        for (int kp = 0; kp < GS / 2; kp++) {
+            __m512i w[2][2];
+            for (int i = 0; i < 2; i++) {
+                const uint8_t *ph = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
+                for (int plane = 0; plane < 2; plane++)
+                    if (streams >> (2 * i + plane) & 1)
+                        _mm_prefetch((const char *)ph + plane * K * 32 + 2 * tile_bytes,
+                                     _MM_HINT_T0);
+                const __m512i h = _mm512_loadu_si512(ph), l = _mm512_loadu_si512(ph + K * 32);
+                /* u_words' u0 (rows 0-31) or u1 (rows 32-63) */
+                const __m512i u =
+                    V0 ? _mm512_ternarylogic_epi32(h, _mm512_srli_epi16(l, 4), hi4, SELECT)
+                       : _mm512_ternarylogic_epi32(_mm512_slli_epi16(h, 4), l, hi4, SELECT);
+                w[i][0] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ia, u);
+                w[i][1] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ib, u);
+            }
+            for (int m = 0; m < 4; m++) {
+                const __m512i xb =
+                    _mm512_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
+                for (int i = 0; i < 2; i++)
+                    for (int j = 0; j < 2; j++) a[i][m][j] = dot_words(a[i][m][j], w[i][j], xb);
+            }
+        }
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 2; j++) {
+                const int64_t r = 16 * (V0 + j);
+                const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    (const __m256i *)(scales + g * n_pad + row0 + i * TILE + r)));
+                for (int m = 0; m < 4; m++) {
+                    const __m512i A =
+                        _mm512_sub_epi32(a[i][m][j], _mm512_set1_epi32(corr[m * groups + g]));
+                    const __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(sx[m * groups + g]));
+                    float *o = out + (i * 4 + m) * TILE + r;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), sc,
+                                                        _mm512_loadu_ps(o)));
+                }
+            }
+    }
+}
+
 /* Each (rows of x, row blocks) pass compiled on its own: two passes inlined into one function
  * made GCC copy the 16 sums between registers on every column pair. */
 #define PART_ARGS                                                                              \
@@ -192,26 +255,50 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t_end = tiles * (id + 1) / nth;
         float out[8 * TILE];
-        /* one row: tiles two at a time; more rows: one tile at a time, 8 (4, 2, 1) rows */
-        const int64_t step = M == 1 ? 2 : 1;
+        /* one row: tiles two at a time; 4 rows and more: tile pairs, 4 rows a pass (then the
+         * rest, and a last unpaired tile, one tile at a time: 8, 4, 2 or 1 rows) */
+        const int64_t step = M == 1 || M >= 4 ? 2 : 1;
+        const int64_t quads = M / 4, passes = 2 * quads; /* a pair's passes of 4 rows */
         for (int64_t t = tiles * id / nth; t < t_end; t += step) {
             const int64_t nt = t_end - t < step ? t_end - t : step;
             const uint8_t *tile = packed + t * tile_bytes;
             for (int64_t m = 0; m < M;) {
-                const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-                if (nt == 2)
-                    tiles2_row1(tile, tile_bytes, scales, n_pad, t * TILE, K, v, sx, corr, out);
-                else
-                    tile_rows(tile, scales, n_pad, t * TILE, K, v + m * K, sx + m * groups,
-                              corr + m * groups, out, mr);
-                for (int64_t i = 0; i < nt; i++) {
-                    const int64_t n0 = (t + i) * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                    for (int64_t j = 0; j < mr; j++)
-                        for (int64_t r = 0; r < rows; r += 16)
-                            _mm512_mask_storeu_ps(
-                                y + (m + j) * ldy + n0 + r,
-                                rows - r >= 16 ? 0xFFFF : (1u << (rows - r)) - 1,
-                                _mm512_loadu_ps(out + (i + j) * TILE + r));
+                const int64_t left = M - m;
+                const int pair4 = nt == 2 && M >= 4 && left >= 4;
+                const int64_t mr = M == 1 ? 1 : pair4 ? 4
+                                   : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int64_t cover = pair4 || M == 1 ? nt : 1; /* tiles in out at once */
+                for (int64_t i = 0; i < nt; i += cover) {
+                    const uint8_t *ti = tile + i * tile_bytes;
+                    const int64_t row0 = (t + i) * TILE;
+                    if (M == 1 && nt == 2) {
+                        tiles2_row1(ti, tile_bytes, scales, n_pad, row0, K, v, sx, corr, out);
+                    } else if (pair4) {
+                        for (int64_t k = 0; k < 8 * TILE; k += 16)
+                            _mm512_storeu_ps(out + k, _mm512_setzero_ps());
+                        for (int V0 = 0; V0 < 4; V0 += 2) {
+                            /* pass p of the pair's passes prefetches streams s = p (mod passes) */
+                            const int64_t p = m / 4 * 2 + V0 / 2;
+                            int streams = 0;
+                            for (int st = 0; st < 4; st++)
+                                if (st % passes == p) streams |= 1 << st;
+                            tiles2_rows4(ti, tile_bytes, scales, n_pad, row0, K, v + m * K,
+                                         sx + m * groups, corr + m * groups, out, V0, streams);
+                        }
+                    } else {
+                        tile_rows(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
+                                  corr + m * groups, out, mr);
+                    }
+                    for (int64_t c = 0; c < cover; c++) {
+                        const int64_t n0 = (t + i + c) * TILE;
+                        const int64_t rows = N - n0 < TILE ? N - n0 : TILE;
+                        for (int64_t j = 0; j < mr; j++)
+                            for (int64_t r = 0; r < rows; r += 16)
+                                _mm512_mask_storeu_ps(
+                                    y + (m + j) * ldy + n0 + r,
+                                    rows - r >= 16 ? 0xFFFF : (1u << (rows - r)) - 1,
+                                    _mm512_loadu_ps(out + (c * mr + j) * TILE + r));
+                    }
                 }
                 m += mr;
             }
