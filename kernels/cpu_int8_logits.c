@@ -33,20 +33,25 @@ static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m5
     return acc;
 }
 
+/* The (k, k+1) words of u for rows 32 half + 16 j .. + 15 of a tile, j = 0, 1 (vpdpwssd's
+ * operand: one row per 32-bit lane), from the column pair's bytes h and l of its two planes:
+ * rows 0-31 are the low nibbles of both planes' bytes, rows 32-63 the high ones */
+static inline __attribute__((always_inline)) void half_words(__m512i h, __m512i l, int half,
+                                                            __m512i w[2]) {
+    const __m512i hi4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i u = half ? _mm512_ternarylogic_epi32(h, _mm512_srli_epi16(l, 4), hi4, SELECT)
+                           : _mm512_ternarylogic_epi32(_mm512_slli_epi16(h, 4), l, hi4, SELECT);
+    w[0] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, _mm512_load_si512(PAIR_INDEX[0]), u);
+    w[1] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, _mm512_load_si512(PAIR_INDEX[1]), u);
+}
+
 /* Column pair kp of a 64-row tile: the (k, k+1) words of u for rows 16 j .. 16 j + 15 of the
- * tile, j = 0..3 (vpdpwssd's operand: one row per 32-bit lane) */
+ * tile, j = 0..3 */
 static inline __attribute__((always_inline)) void u_words(const uint8_t *ph, int64_t K,
                                                          __m512i w[4]) {
-    const __m512i hi4 = _mm512_set1_epi8((char)0xF0);
     const __m512i h = _mm512_loadu_si512(ph), l = _mm512_loadu_si512(ph + K * 32);
-    /* rows 0-31 are the low nibbles of both planes' bytes, rows 32-63 the high ones */
-    const __m512i u0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(h, 4), l, hi4, SELECT);
-    const __m512i u1 = _mm512_ternarylogic_epi32(h, _mm512_srli_epi16(l, 4), hi4, SELECT);
-    const __m512i ia = _mm512_load_si512(PAIR_INDEX[0]), ib = _mm512_load_si512(PAIR_INDEX[1]);
-    w[0] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ia, u0);
-    w[1] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ib, u0);
-    w[2] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ia, u1);
-    w[3] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ib, u1);
+    half_words(h, l, 0, w);
+    half_words(h, l, 1, w + 2);
 }
 
 /* Rows 16 V0 .. 16 (V0 + NV) - 1 of one tile for MR rows of x (NV * MR <= 16 sums, in
@@ -155,8 +160,6 @@ static __attribute__((noinline)) void tiles2_rows4(const uint8_t *tile, int64_t 
                                                    const float *sx, const int32_t *corr,
                                                    float *out, const int V0, const int streams) {
     const int64_t groups = K / GS;
-    const __m512i hi4 = _mm512_set1_epi8((char)0xF0);
-    const __m512i ia = _mm512_load_si512(PAIR_INDEX[0]), ib = _mm512_load_si512(PAIR_INDEX[1]);
     for (int64_t g = 0; g < groups; g++) {
         if (g + LOGIT_PREFETCH_GROUPS < groups)
             for (int i = 0; i < 2; i++)
@@ -174,13 +177,8 @@ static __attribute__((noinline)) void tiles2_rows4(const uint8_t *tile, int64_t 
                     if (streams >> (2 * i + plane) & 1)
                         _mm_prefetch((const char *)ph + plane * K * 32 + 2 * tile_bytes,
                                      _MM_HINT_T0);
-                const __m512i h = _mm512_loadu_si512(ph), l = _mm512_loadu_si512(ph + K * 32);
-                /* u_words' u0 (rows 0-31) or u1 (rows 32-63) */
-                const __m512i u =
-                    V0 ? _mm512_ternarylogic_epi32(h, _mm512_srli_epi16(l, 4), hi4, SELECT)
-                       : _mm512_ternarylogic_epi32(_mm512_slli_epi16(h, 4), l, hi4, SELECT);
-                w[i][0] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ia, u);
-                w[i][1] = _mm512_maskz_permutexvar_epi8(PAIR_MASK, ib, u);
+                half_words(_mm512_loadu_si512(ph), _mm512_loadu_si512(ph + K * 32), V0 / 2,
+                           w[i]);
             }
             for (int m = 0; m < 4; m++) {
                 const __m512i xb =
@@ -240,6 +238,20 @@ static void tile_rows(PART_ARGS, int64_t mr) {
     }
 }
 
+/* A tile pair (tile_bytes apart) for 4 rows of x -> out[(i * 4 + m) * 64 + row] (fp32): both
+ * halves' passes, p0 and p0 + 1 of a pair's `passes`; pass p prefetches the streams
+ * s = p (mod passes) of tiles2_rows4, so that together they cover the four */
+static void pair_rows4(PART_ARGS, int64_t tile_bytes, int64_t p0, int64_t passes) {
+    for (int64_t k = 0; k < 8 * TILE; k += 16) _mm512_storeu_ps(out + k, _mm512_setzero_ps());
+    for (int half = 0; half < 2; half++) {
+        int streams = 0;
+        for (int st = 0; st < 4; st++)
+            if (st % passes == p0 + half) streams |= 1 << st;
+        tiles2_rows4(tile, tile_bytes, scales, n_pad, row0, K, v, sx, corr, out, 2 * half,
+                     streams);
+    }
+}
+
 int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                 const uint16_t *scales, int64_t N, int64_t n_pad, float *y, int64_t ldy) {
     RoundedRows rr;
@@ -274,17 +286,8 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
                     if (M == 1 && nt == 2) {
                         tiles2_row1(ti, tile_bytes, scales, n_pad, row0, K, v, sx, corr, out);
                     } else if (pair4) {
-                        for (int64_t k = 0; k < 8 * TILE; k += 16)
-                            _mm512_storeu_ps(out + k, _mm512_setzero_ps());
-                        for (int V0 = 0; V0 < 4; V0 += 2) {
-                            /* pass p of the pair's passes prefetches streams s = p (mod passes) */
-                            const int64_t p = m / 4 * 2 + V0 / 2;
-                            int streams = 0;
-                            for (int st = 0; st < 4; st++)
-                                if (st % passes == p) streams |= 1 << st;
-                            tiles2_rows4(ti, tile_bytes, scales, n_pad, row0, K, v + m * K,
-                                         sx + m * groups, corr + m * groups, out, V0, streams);
-                        }
+                        pair_rows4(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
+                                   corr + m * groups, out, tile_bytes, m / 4 * 2, passes);
                     } else {
                         tile_rows(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
                                   corr + m * groups, out, mr);
