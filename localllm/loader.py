@@ -244,5 +244,6 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
     # the parts' packed matrices were small enough for the heap, the fused ones are not:
     # their freed space would stay until the load ends, 10-14 MB over the steady size
     model.fuse_projections(after_layer=release_free_memory)
+    backend.settle_weights(model)
     model.eval()
     return LoadedModel(model, tokenizer, cfg, gf.path, file_fingerprint(gf.path), backend)

@@ -206,5 +206,6 @@ def _load_hf(path: str | os.PathLike[str], dtype: torch.dtype, progress: Progres
     # the parts' packed matrices were small enough for the heap, the fused ones are not:
     # their freed space would stay until the load ends, 10-14 MB over the steady size
     model.fuse_projections(after_layer=release_free_memory)
+    backend.settle_weights(model)
     model.eval()
     return LoadedModel(model, tokenizer, cfg, folder, fingerprint, backend)

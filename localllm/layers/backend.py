@@ -60,6 +60,10 @@ class Backend(LayerOps):
     def kv_memory_available(self) -> int:
         """Bytes of this device's memory free for a KV pool now."""
 
+    def settle_weights(self, model: torch.nn.Module) -> None:
+        """Called once a model's weights are loaded, packed and fused, before its first step:
+        lay them out where this backend reads them fastest. The default leaves them."""
+
     # ---------------------------------------------------------------- steps
     @abstractmethod
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from localllm.backends.cpu import ops, whole_step
+from localllm.backends.cpu import ops, weight_arena, whole_step
 from localllm.backends.cpu.attention import CpuPagedAttention
 from localllm.backends.cpu.dispatch import decode_rows
 from localllm.backends.cpu.packing import cpu_packable
@@ -59,6 +59,11 @@ class CpuBackend(TorchBackend):
         flat = torch.frombuffer(buf, dtype=dtype)  # keeps `buf` alive
         pools = flat.view(num_layers, 2, *shape)
         return [KVCache(pools[i, 0], pools[i, 1]) for i in range(num_layers)]
+
+    def settle_weights(self, model: torch.nn.Module) -> None:
+        # the packed weights on 2 MiB pages, in one map (`weight_arena`)
+        if weight_arena.enabled():
+            weight_arena.gather(weight_arena.packed_weights(model))
 
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:
         return decode_rows(n)

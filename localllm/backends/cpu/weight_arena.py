@@ -1,0 +1,106 @@
+"""The packed weights of a loaded model moved into one memory map on 2 MiB pages.
+
+A decode step reads every packed weight once (about 95 MB for the default model). In 4 KiB
+pages that is a TLB miss every 4 KiB of the stream: the second-level TLB of a Zen 4 core
+covers 12 MB, so each step walks the page tables some 24,000 times, and the misses also hit
+the attention's scattered K/V reads and the Python between steps. Linux gives a private
+anonymous map 2 MiB pages (transparent huge pages) where `/sys/kernel/mm/transparent_hugepage/
+enabled` says `always` or `madvise` and the map asks for them (`MADV_HUGEPAGE`), so
+`gather` copies the weights into one such map, in the order the model declares them (a step's
+order), 64-byte aligned, and swaps each weight's tensors for views of it (pack, then swap).
+Measured on the default model (2-core EPYC, Zen 4): decode 2-4% faster at 1 and 8 sequences.
+
+`LOCALLLM_HUGE_PAGES=0` leaves the weights where loading put them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from localllm.backends.cpu.weights import CpuPackedWeight
+
+PAGE = 2 << 20  # bytes: a transparent huge page on x86-64
+ALIGN = 64  # bytes: each tensor starts on a cache line
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+class Gathered(NamedTuple):
+    tensors: int  # tensors moved
+    nbytes: int  # their bytes (without alignment)
+    huge: bool  # whether the map asked for 2 MiB pages (the kernel may still refuse some)
+
+
+def huge_pages_setting() -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise` or `never`), or None where
+    there is none (not Linux)."""
+    try:
+        text = THP_SETTING.read_text()
+    except OSError:
+        return None
+    chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def enabled() -> bool:
+    """Whether loading moves packed weights into a huge-page map (LOCALLLM_HUGE_PAGES=0: no)."""
+    return os.environ.get("LOCALLLM_HUGE_PAGES", "1") != "0"
+
+
+def packed_weights(model: torch.nn.Module) -> list[CpuPackedWeight]:
+    """Every distinct packed weight of `model`, in module order."""
+    seen: set[int] = set()
+    out: list[CpuPackedWeight] = []
+    for module in model.modules():
+        w = getattr(module, "qweight", None)
+        if isinstance(w, CpuPackedWeight) and id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def gather(weights: Iterable[CpuPackedWeight]) -> Gathered:
+    """Move each weight's packed codes and scales into one new private anonymous map, asked
+    for 2 MiB pages where the kernel has them, and point the weights at views of it. Each
+    tensor is freed as soon as it is copied, so memory grows by at most one tensor."""
+    ws = list(weights)
+    sizes = [_aligned(t.numel() * t.element_size()) for w in ws
+             for t in (w.packed, w.scales_zeros)]
+    total = sum(sizes)
+    if total == 0:
+        return Gathered(0, 0, False)
+    # one page of slack, so that the used part can start on a 2 MiB boundary; pages that are
+    # never touched (the slack, the tail) never become resident
+    area = mmap.mmap(-1, total + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = False
+    if hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_setting() in ("always", "madvise"):
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults take 2 MiB
+            huge = True
+        except OSError:
+            pass
+    start = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % PAGE
+    # the used bytes alone, from the boundary on (its views keep `area` alive)
+    flat = torch.frombuffer(area, dtype=torch.uint8, count=total, offset=start)
+    at = 0
+    moved = 0
+    for w in ws:
+        for name in ("packed", "scales_zeros"):
+            t: torch.Tensor = getattr(w, name)
+            n = t.numel() * t.element_size()
+            view = flat[at:at + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            setattr(w, name, view)
+            del t
+            at += _aligned(n)
+            moved += n
+    return Gathered(2 * len(ws), moved, huge)
