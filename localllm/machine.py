@@ -10,15 +10,25 @@ import torch
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the platform's word for it elsewhere)."""
+    """The CPU's model name from /proc/cpuinfo with its family and model numbers (a VM's
+    name, "AMD EPYC", is the same for Zen 4 and Zen 5 cores, whose figures differ), or the
+    platform's word for it elsewhere."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def describe(backend: str, device: torch.device) -> dict[str, Any]:
