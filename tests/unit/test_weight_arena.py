@@ -55,12 +55,30 @@ def test_packed_weights_lie_in_one_map_in_module_order(
         smollm_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread: None) -> None:
     llm = _load(smollm_path, monkeypatch, huge=True)
     ws = _packed(llm)
+    if not weight_arena.enabled():  # this kernel has no huge pages for such a map
+        assert weight_arena.huge_pages_setting() not in ("always", "madvise")
+        assert not all(_consecutive(ws))
+        return
     ptrs = [t.data_ptr() for w in ws for t in (w.packed, w.scales_zeros)]
     assert ptrs[0] % weight_arena.PAGE == 0
     assert all(_consecutive(ws))
-    if weight_arena.huge_pages_setting() in ("always", "madvise"):
-        maps = {_mapping(p).get("THPeligible") for p in (ptrs[0], ptrs[-1])}
-        assert maps == {"1"}, "the weights' map may take 2 MiB pages"
+    maps = {_mapping(p).get("THPeligible") for p in (ptrs[0], ptrs[-1])}
+    assert maps == {"1"}, "the weights' map may take 2 MiB pages"
+
+
+def test_gather_moves_weights_into_one_map_unchanged(
+        smollm_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread: None) -> None:
+    # whatever this kernel's huge page mode: gather itself, on weights loading left in place
+    ws = _packed(_load(smollm_path, monkeypatch, huge=False))[:12]
+    before = [(w.packed.clone(), w.scales_zeros.clone()) for w in ws]
+    got = weight_arena.gather(ws)
+    sizes = [t.numel() * t.element_size() for p in before for t in p]
+    assert (got.tensors, got.nbytes) == (2 * len(ws), sum(sizes))
+    assert ws[0].packed.data_ptr() % weight_arena.PAGE == 0
+    assert all(_consecutive(ws))
+    for w, (packed, scales) in zip(ws, before):
+        assert torch.equal(w.packed, packed) and torch.equal(w.scales_zeros, scales)
+        assert w.packed.is_contiguous() and w.scales_zeros.is_contiguous()
 
 
 def test_moved_weights_hold_the_same_values_and_give_the_same_tokens(
