@@ -9,9 +9,10 @@ Each figure is the best of --repeat runs after one warm-up. Ratios are localllm 
 Bandwidth: the machine's DRAM read bandwidth (a sum over a --bandwidth-mib buffer, far larger
 than the caches, with --threads threads, on 2 MiB pages where the weights are) beside what
 decode reads: the bytes of every weight a token reads (the packed projections and the LM head,
-norms; not the embedding rows) times decode tokens/s, and their ratio (target >= 80%). A shared machine's bandwidth moves within
-seconds, so it is measured just before each decode run, and each run is compared with its own
-measurement: the median of those ratios (and their range) is reported.
+norms; not the embedding rows) times decode tokens/s, and their ratio (target >= 80%). A
+shared machine's bandwidth moves within seconds, so it is measured just before each decode
+run, and each run is compared with its own measurement: the median of those ratios (and their
+range) is reported.
 """
 
 from __future__ import annotations
