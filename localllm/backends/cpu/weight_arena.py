@@ -8,7 +8,9 @@ anonymous map 2 MiB pages (transparent huge pages) where `/sys/kernel/mm/transpa
 enabled` says `always` or `madvise` and the map asks for them (`MADV_HUGEPAGE`), so
 `gather` copies the weights into one such map, in the order the model declares them (a step's
 order), 64-byte aligned, and swaps each weight's tensors for views of it (pack, then swap).
-Measured on the default model (2-core EPYC, Zen 4): decode 2-4% faster at 1 and 8 sequences.
+Measured on the default model (2-core EPYC VM, Zen 4): decode about 4% faster at one
+sequence, 1% at eight; loading 0.3-0.6 s slower there, where the first touch of each fresh
+2 MiB page is slow (the copy takes 0.6-1 s).
 
 Where the kernel has no transparent huge pages for such a map (mode `never`, not Linux), or
 with `LOCALLLM_HUGE_PAGES=0`, the weights stay where loading put them.
