@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import platform
 import resource
 import statistics
@@ -109,11 +108,7 @@ def _bw_init(mib: int, threads: int) -> None:
     if weight_arena.enabled():
         # on 2 MiB pages, as the packed weights decode reads (2-4% faster to sum than 4 KiB
         # pages here), so that both sides of the ratio read memory the same way
-        area = mmap.mmap(-1, n + weight_arena.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_HUGEPAGE)
-        flat = torch.frombuffer(area, dtype=torch.uint8)
-        start = -flat.data_ptr() % weight_arena.PAGE
-        buf = flat[start:start + n].view(torch.float32)
+        buf = weight_arena.huge_page_buffer(n)[0].view(torch.float32)
     else:
         buf = torch.empty(n // 4, dtype=torch.float32)
     buf.fill_(1.0)  # pages faulted in

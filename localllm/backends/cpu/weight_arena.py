@@ -75,29 +75,34 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def gather(weights: Iterable[CpuPackedWeight]) -> Gathered:
-    """Move each weight's packed codes and scales into one new private anonymous map, asked
-    for 2 MiB pages where the kernel has them, and point the weights at views of it. Each
-    tensor is freed as soon as it is copied, so memory grows by at most one tensor."""
-    ws = list(weights)
-    sizes = [_aligned(t.numel() * t.element_size()) for w in ws
-             for t in (w.packed, w.scales_zeros)]
-    total = sum(sizes)
-    if total == 0:
-        return Gathered(0, 0, False)
-    # one page of slack, so that the used part can start on a 2 MiB boundary; pages that are
-    # never touched (the slack, the tail) never become resident
-    area = mmap.mmap(-1, total + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """A new uint8 tensor of `nbytes` in a private anonymous map, starting on a 2 MiB boundary
+    and asked for 2 MiB pages (before its first touch, so that faults take whole pages), and
+    whether the kernel took the request. Only the pages touched become resident."""
+    # one page of slack, so that the tensor can start on a boundary
+    area = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     huge = False
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            area.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults take 2 MiB
+            area.madvise(mmap.MADV_HUGEPAGE)
             huge = True
         except OSError:  # a kernel without transparent huge pages
             pass
     start = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % PAGE
-    # the used bytes alone, from the boundary on (its views keep `area` alive)
-    flat = torch.frombuffer(area, dtype=torch.uint8, count=total, offset=start)
+    # the tensor holds `area` alive
+    return torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start), huge
+
+
+def gather(weights: Iterable[CpuPackedWeight]) -> Gathered:
+    """Move each weight's packed codes and scales into one `huge_page_buffer` and point the
+    weights at views of it. Each tensor is freed as soon as it is copied, so memory grows by
+    at most one tensor."""
+    ws = list(weights)
+    total = sum(_aligned(t.numel() * t.element_size()) for w in ws
+                for t in (w.packed, w.scales_zeros))
+    if total == 0:
+        return Gathered(0, 0, False)
+    flat, huge = huge_page_buffer(total)
     at = 0
     moved = 0
     for w in ws:
