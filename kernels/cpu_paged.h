@@ -147,12 +147,14 @@ static inline int64_t kv_next(KvCursor *c) {
     return off;
 }
 
-/* Prefetches the head_dim K and V values at offset `off` of the pools */
+/* Prefetches the head_dim K and V values at offset `off` of the pools into L2 (T1): a task
+ * asks for 16-64 positions' lines at once, more than L1 can have in flight; into L1 (T0) most
+ * of them were lost, and 8 sequences of 1,000 positions took 1.9x as long (Zen 4). */
 static inline void prefetch_position(const uint16_t *kpool, const uint16_t *vpool, int64_t off,
                                      int64_t head_dim) {
     for (int64_t l = 0; l < head_dim * 2; l += 64) {
-        _mm_prefetch((const char *)(kpool + off) + l, _MM_HINT_T0);
-        _mm_prefetch((const char *)(vpool + off) + l, _MM_HINT_T0);
+        _mm_prefetch((const char *)(kpool + off) + l, _MM_HINT_T1);
+        _mm_prefetch((const char *)(vpool + off) + l, _MM_HINT_T1);
     }
 }
 
