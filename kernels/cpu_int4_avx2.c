@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void tile8(
                 sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
             const uint8_t *gcols = tile + g * GS * 32;
             for (int l = 0; l < GS * 32; l += 64)
-                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, STREAM_HINT);
             const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
             const float *xs = xsum + m0 * groups + g;
             if (mc == 1) {

@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
         if (g + PREFETCH_GROUPS < groups) {
             for (int i = 0; i < NT; i++) {
                 const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0 + i * TILE);
-                for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+                for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, STREAM_HINT);
             }
         }
         __m512 a[2][2][4];
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
                  * being read: take those bytes of tile i + 2 (the next pair's) instead */
                 _mm_prefetch((const char *)p + PREFETCH_BYTES +
                                  (NT == 2 && o + PREFETCH_BYTES >= tile_bytes ? tile_bytes : 0),
-                             _MM_HINT_T0);
+                             STREAM_HINT);
                 __m512i w[4], wlo[4];
                 unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
                 for (int m = 0; m < MR; m++) {
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
             const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0);
-            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, STREAM_HINT);
         }
         __m512 a[4][4];
         for (int m = 0; m < 4; m++)
@@ -139,7 +139,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
         const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
         for (int kp = 0; kp < GS / 2; kp++) {
             const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
-            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, STREAM_HINT);
             __m512i w[4], wlo[4];
             unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
             for (int m = 0; m < 4; m++) {
@@ -182,7 +182,7 @@ static inline __attribute__((always_inline)) void tile_rows8(
     for (int64_t g = 0; g < groups; g++) {
         if (g + PREFETCH_GROUPS < groups) {
             const char *ps = scales_at(sz, g + PREFETCH_GROUPS, row0);
-            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < 4; l++) _mm_prefetch(ps + 64 * l, STREAM_HINT);
         }
         const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
         for (int h = H0; h < H1; h++) { /* halves H0 .. H1 - 1 (a half tile: one) */
@@ -190,7 +190,7 @@ static inline __attribute__((always_inline)) void tile_rows8(
             for (int m = 0; m < 8; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
             for (int kp = 0; kp < GS / 2; kp++) {
                 const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
-                if (h == H0) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                if (h == H0) _mm_prefetch((const char *)p + PREFETCH_BYTES, STREAM_HINT);
                 const __m512i b = _mm512_loadu_si512(p);
                 const __m512i nib = h ? _mm512_and_si512(_mm512_srli_epi16(b, 4), low4)
                                       : _mm512_and_si512(b, low4);

@@ -62,8 +62,8 @@ static inline __attribute__((always_inline)) void half_u(
     for (int kp = 0; kp < GS / 2; kp++) {
         const uint8_t *ph = tile + (g * GS + 2 * kp) * 32, *pl = ph + K * 32;
         if (HALF == 0) { /* the same lines of the next tile */
-            _mm_prefetch((const char *)ph + 2 * K * 32, _MM_HINT_T0);
-            _mm_prefetch((const char *)pl + 2 * K * 32, _MM_HINT_T0);
+            _mm_prefetch((const char *)ph + 2 * K * 32, STREAM_HINT);
+            _mm_prefetch((const char *)pl + 2 * K * 32, STREAM_HINT);
         }
         __m512i w[2];
         u_pairs(_mm512_loadu_si512(ph), _mm512_loadu_si512(pl), HALF, w);
@@ -104,8 +104,8 @@ static inline __attribute__((always_inline)) void group_u1(
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
         for (int i = 0; i < NT; i++) {
             const uint8_t *ph = tile + i * tile_bytes + (g * GS + 2 * kp) * 32, *pl = ph + K * 32;
-            _mm_prefetch((const char *)ph + NT * tile_bytes, _MM_HINT_T0);
-            _mm_prefetch((const char *)pl + NT * tile_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)ph + NT * tile_bytes, STREAM_HINT);
+            _mm_prefetch((const char *)pl + NT * tile_bytes, STREAM_HINT);
             const __m512i h = _mm512_loadu_si512(ph), l = _mm512_loadu_si512(pl);
             __m512i w[4];
             u_pairs(h, l, 0, w);
@@ -136,8 +136,8 @@ static inline __attribute__((always_inline)) void tiles_u1(
             for (int i = 0; i < NT; i++) {
                 const char *ps =
                     (const char *)(sz->p + (g + PREFETCH_GROUPS) * sz->n_pad + row0 + i * TILE);
-                _mm_prefetch(ps, _MM_HINT_T0);
-                _mm_prefetch(ps + 64, _MM_HINT_T0);
+                _mm_prefetch(ps, STREAM_HINT);
+                _mm_prefetch(ps + 64, STREAM_HINT);
             }
         group_u1(tile, tile_bytes, sz, row0, x, K, g, groups, xsum, out, NT, GS);
     }
@@ -151,8 +151,8 @@ static inline __attribute__((always_inline)) void tile_u(
     for (int64_t g = 0; g < K / GS; g++) {
         if ((g + PREFETCH_GROUPS) * GS < K) {
             const char *ps = (const char *)(sz->p + (g + PREFETCH_GROUPS) * sz->n_pad + row0);
-            _mm_prefetch(ps, _MM_HINT_T0);
-            _mm_prefetch(ps + 64, _MM_HINT_T0);
+            _mm_prefetch(ps, STREAM_HINT);
+            _mm_prefetch(ps + 64, STREAM_HINT);
         }
         half_u(tile, sz, row0, x, ldx, K, g, groups, xsum, out, MR, GS, 0);
         half_u(tile, sz, row0, x, ldx, K, g, groups, xsum, out, MR, GS, 1);

@@ -65,18 +65,18 @@ static inline __attribute__((always_inline)) void u_words(const uint8_t *ph, int
         for (int64_t g = 0; g < groups; g++) {                                                 \
             if (V0 == 0 && g + LOGIT_PREFETCH_GROUPS < groups)                                 \
                 _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0), \
-                             _MM_HINT_T0);                                                     \
+                             STREAM_HINT);                                                     \
             __m512i a[A_ROWS][A_VECS];                                                         \
             for (int m = 0; m < MR; m++)                                                       \
                 for (int j = 0; j < A_VECS; j++) a[m][j] = _mm512_setzero_si512();             \
             for (int kp = 0; kp < GS / 2; kp++) {                                              \
                 const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;                             \
                 if (A_VECS == 4) { /* one pass: both planes' lines two tiles on */             \
-                    _mm_prefetch((const char *)ph + 4 * K * 32, _MM_HINT_T0);                  \
-                    _mm_prefetch((const char *)ph + 5 * K * 32, _MM_HINT_T0);                  \
+                    _mm_prefetch((const char *)ph + 4 * K * 32, STREAM_HINT);                  \
+                    _mm_prefetch((const char *)ph + 5 * K * 32, STREAM_HINT);                  \
                 } else { /* two: the next tile's, one plane a pass (the second pass, with      \
                           * none, left the memory idle while it read the tile from L1/L2) */   \
-                    _mm_prefetch((const char *)ph + (V0 == 0 ? 2 : 3) * K * 32, _MM_HINT_T0);  \
+                    _mm_prefetch((const char *)ph + (V0 == 0 ? 2 : 3) * K * 32, STREAM_HINT);  \
                 }                                                                              \
                 __m512i w[4];                                                                  \
                 u_words(ph, K, w);                                                             \
@@ -120,7 +120,7 @@ static __attribute__((noinline)) void tiles2_row1(const uint8_t *tile, int64_t t
             for (int i = 0; i < 2; i++)
                 _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0 +
                                             i * TILE),
-                             _MM_HINT_T0);
+                             STREAM_HINT);
         __m512i a[2][4];
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_si512();
@@ -128,8 +128,8 @@ static __attribute__((noinline)) void tiles2_row1(const uint8_t *tile, int64_t t
             const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(v + g * GS + 2 * kp));
             for (int i = 0; i < 2; i++) {
                 const uint8_t *ph = tile + i * tile_bytes + (g * GS + 2 * kp) * 32;
-                _mm_prefetch((const char *)ph + 2 * tile_bytes, _MM_HINT_T0);
-                _mm_prefetch((const char *)ph + K * 32 + 2 * tile_bytes, _MM_HINT_T0);
+                _mm_prefetch((const char *)ph + 2 * tile_bytes, STREAM_HINT);
+                _mm_prefetch((const char *)ph + K * 32 + 2 * tile_bytes, STREAM_HINT);
                 __m512i w[4];
                 u_words(ph, K, w);
                 for (int j = 0; j < 4; j++) a[i][j] = dot_words(a[i][j], w[j], xb);
@@ -165,7 +165,7 @@ static __attribute__((noinline)) void tiles2_rows4(const uint8_t *tile, int64_t 
             for (int i = 0; i < 2; i++)
                 _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0 +
                                             i * TILE + 16 * V0),
-                             _MM_HINT_T0);
+                             STREAM_HINT);
         __m512i a[2][4][2];
         for (int i = 0; i < 2; i++)
             for (int m = 0; m < 4; m++) a[i][m][0] = a[i][m][1] = _mm512_setzero_si512();
@@ -176,7 +176,7 @@ static __attribute__((noinline)) void tiles2_rows4(const uint8_t *tile, int64_t 
                 for (int plane = 0; plane < 2; plane++)
                     if (streams >> (2 * i + plane) & 1)
                         _mm_prefetch((const char *)ph + plane * K * 32 + 2 * tile_bytes,
-                                     _MM_HINT_T0);
+                                     STREAM_HINT);
                 half_words(_mm512_loadu_si512(ph), _mm512_loadu_si512(ph + K * 32), V0 / 2,
                            w[i]);
             }

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_int4_groups.h"
 #include "cpu_int8_rows.h"
 #include "cpu_kernels.h"
 
@@ -67,21 +68,21 @@ static inline __attribute__((always_inline)) void half_rows(
         if (g + LOGIT_PREFETCH_GROUPS < groups)
             _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0 +
                                         32 * half),
-                         _MM_HINT_T0);
+                         STREAM_HINT);
         __m256i a[2][4];
         for (int m = 0; m < MR; m++)
             for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
         for (int kp = 0; kp < GS / 2; kp++) {
             const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;
             if (half == 0) {
-                _mm_prefetch((const char *)ph + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)ph + PREFETCH_BYTES, STREAM_HINT);
+                _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, STREAM_HINT);
             } else if ((g * GS + 2 * kp) * 32 < PREFETCH_BYTES) {
                 /* the next tile's first lines, which the first half's prefetch (PREFETCH_BYTES
                  * on) never reaches; the memory is otherwise idle while the second half reads
                  * the tile again from the caches */
-                _mm_prefetch((const char *)ph + 2 * K * 32, _MM_HINT_T0);
-                _mm_prefetch((const char *)ph + 3 * K * 32, _MM_HINT_T0);
+                _mm_prefetch((const char *)ph + 2 * K * 32, STREAM_HINT);
+                _mm_prefetch((const char *)ph + 3 * K * 32, STREAM_HINT);
             }
             __m256i W[4];
             u_words8(ph, K, half, W);
