@@ -302,9 +302,9 @@ _gemm_on = os.environ.get("LOCALLLM_PREFILL_GEMM", "1") != "0"
 def gemm_available() -> bool:
     """Whether `int4_gemm` runs prompts here: the native kernels, and AMX tiles (amx_tile,
     amx_bf16) that the OS lets this process use. Unlike `amx_enabled` (decode batches), this
-    is on by default: a prompt's rows never ran the decode kernel anyway (they were a dense
-    bf16 matmul), and a row's sums do not depend on its batch. LOCALLLM_PREFILL_GEMM=0 turns
-    it off."""
+    is on by default: a prompt's rows take one path whatever shares their step (the one their
+    prompt's length picks), and a row's sums do not depend on its batch.
+    LOCALLLM_PREFILL_GEMM=0 turns it off."""
     lib = _library()
     return (_gemm_on and lib is not None and _cpu_has(AMX_FLAGS)
             and bool(lib.int4_gemm_ready()))

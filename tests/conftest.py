@@ -59,7 +59,7 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(params=["native", "native-dense", "native-avx2", "pytorch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test through the native CPU kernels (prompts on AMX tiles where the CPU has
-    them), through them with prompts as dequantize + PyTorch matmul (AVX-512 without AMX),
+    them), through them with prompts as on CPUs without AMX (the AVX-512 kernels),
     through the AVX2 build of the kernels on a CPU whose default is the AVX-512 one, and
     through PyTorch ops alone (machines without AVX2 or a compiler)."""
     from localllm.kernels import cpu_native

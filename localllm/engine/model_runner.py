@@ -87,9 +87,9 @@ class ModelRunner:
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        # the scheduler puts decoding sequences first: their rows keep the few-rows kernels
-        # even when a long prompt shares the step
-        with self.backend.decoding_rows(meta.leading_decodes()):
+        # decoding rows keep the few-rows kernels and each prompt's rows its own path, whatever
+        # shares the step (the scheduler puts decoding sequences first)
+        with self.backend.step_rows(meta):
             return self.model(input_ids, positions, caches, meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,7 @@ class ModelRunner:
             context_lens=ctxs,
             block_size=bs,
             context_lens_tensor=t_ctxs,
+            prompt_lens=[len(s.request.prompt_ids) for s in batch],
         )
         return t_ids, t_pos, meta
 

@@ -44,6 +44,10 @@ class AttentionMetadata:
     block_size: int
     # context_lens as int64 [num_seqs] on the device, where the step's builder made it
     context_lens_tensor: torch.Tensor | None = None
+    # per sequence, its prompt's length, where the step's builder knows it: a query at a
+    # position before it is a prompt token even alone in its step (a prompt's last token after
+    # a cached prefix or a split by the token budget), not a decoding one
+    prompt_lens: list[int] | None = None
     _seq_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # a backend's per-step plans, by the function that builds them (see `plan`)
     _plans: dict[object, object] = field(default_factory=dict, repr=False)
@@ -59,15 +63,35 @@ class AttentionMetadata:
         CUDA graph, whose values change between replays)."""
         self._plans[build] = plan
 
+    def decodes(self, i: int) -> bool:
+        """Whether sequence i decodes: one query token, past its prompt."""
+        return self.query_lens[i] == 1 and (self.prompt_lens is None
+                                            or self.context_lens[i] > self.prompt_lens[i])
+
     def decoding(self) -> list[int]:
-        """The sequences with one query token."""
-        return [i for i, qlen in enumerate(self.query_lens) if qlen == 1]
+        """The sequences that decode (`decodes`)."""
+        return [i for i in range(len(self.query_lens)) if self.decodes(i)]
 
     def leading_decodes(self) -> int:
         """How many sequences at the front of the batch decode (the scheduler puts decoding
         sequences first)."""
-        return next((i for i, n in enumerate(self.query_lens) if n != 1),
+        return next((i for i in range(len(self.query_lens)) if not self.decodes(i)),
                     len(self.query_lens))
+
+    def row_runs(self) -> tuple[tuple[int, int], ...]:
+        """The batch's rows in order as runs (rows, prompt length): a sequence's query rows
+        at positions before its prompt's end, then its others (decoding tokens, or ones
+        computed again after a preemption) with prompt length 0. Needs `prompt_lens`."""
+        assert self.prompt_lens is not None
+        runs: list[tuple[int, int]] = []
+        for qlen, ctx, plen in zip(self.query_lens, self.context_lens, self.prompt_lens):
+            prompt = max(0, min(ctx, plen) - (ctx - qlen))
+            for n, key in ((prompt, plen), (qlen - prompt, 0)):
+                if n and runs and runs[-1][1] == key:
+                    runs[-1] = (runs[-1][0] + n, key)
+                elif n:
+                    runs.append((n, key))
+        return tuple(runs)
 
     def rows_of(self, seqs: list[int]) -> torch.Tensor:
         """[len(seqs)] the first query row of each of these sequences in the flat batch."""

@@ -71,6 +71,12 @@ class Backend(LayerOps):
         sequence), which this backend may compute as it computes a lone row, so that a
         request's tokens do not depend on what shares its step."""
 
+    def step_rows(self, meta: AttentionMetadata) -> AbstractContextManager[None]:
+        """Within this block the batch is the step `meta` describes: a backend may compute each
+        prompt's rows as their prompt would alone (its whole length choosing how), whatever
+        else shares the step. The default: `decoding_rows` of its leading decoding rows."""
+        return self.decoding_rows(meta.leading_decodes())
+
     @abstractmethod
     def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         """A fast path running decode-only steps of the model `layout` describes, whose own

@@ -211,6 +211,19 @@ def test_prompt_longer_than_context_is_refused(stories: LLM) -> None:
     assert not stories.engine.has_unfinished()
 
 
+def run_logged(llm: LLM, prompts: list[list[int]], params: SamplingParams
+               ) -> tuple[list[tuple[list[int], list[TokenLogprobs]]], list[Request]]:
+    """The prompts added at once and run to the end: each one's tokens and log-probabilities,
+    and the requests."""
+    reqs = [llm.engine.add_request(p, params) for p in prompts]
+    got: dict[str, tuple[list[int], list[TokenLogprobs]]] = {r.request_id: ([], []) for r in reqs}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id][0].extend(out.token_ids)
+            got[out.request_id][1].extend(out.logprobs or [])
+    return [got[r.request_id] for r in reqs], reqs
+
+
 def first_logprobs(llm: LLM, ids: list[int], params: SamplingParams) -> TokenLogprobs:
     req = llm.engine.add_request(ids, params)
     outs = []
@@ -311,3 +324,41 @@ def test_bf16_default_model_batched_matches_alone(smollm_path: Path, cpu_path: s
     assert max(batched.engine.stats.tokens_per_step) > len(jobs)  # prompts beside decodes
     for r, a, text in zip(reqs, alone, SMOLLM_TEXTS):
         assert r.output_ids == a, text
+
+
+@pytest.mark.parametrize("cpu_path", ["native", "native-dense", "native-avx2"], indirect=True)
+def test_bf16_split_cached_and_preempted_prompts_match_alone(smollm_path: Path,
+                                                             cpu_path: str) -> None:
+    """A request's greedy bf16 tokens on the default model are the ones it gets alone, in one
+    step, when its prompt is prefilled beside others and split over steps by the token
+    budget, when it is resumed after a cached prefix, and when it is computed again after a
+    preemption: each prompt row takes its whole prompt's path (`dispatch.prompt_path`, and
+    SDPA in fixed blocks, `prompt_attention`), and rows past the prompt the decode kernel."""
+    amx = cpu_native.amx_enabled()
+    if amx:
+        cpu_native.set_amx(False)
+    try:
+        llm = make_llm(smollm_path, dtype="bfloat16")
+        # 39-49 tokens each; the last ends one token into a block (a 1-token tail when cached)
+        prompts = [llm.encode(" ".join(f"item{7 * j + i}" for j in range(n))
+                              + " Summarize the list.")
+                   for i, n in ((0, 13), (1, 12), (3, 14), (2, 15))]
+        assert len(prompts[-1]) % llm.engine.block_size == 1
+        # each sampled token's log-probability and the best two: they move with any change
+        # in the logits, where a greedy token needs a near tie to change
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+        alone = [run_logged(llm, [p], params)[0][0] for p in prompts]
+        assert [len(p) > 16 for p in prompts] == [True] * 4  # beyond the kernel's prompt rows
+        split = make_llm(smollm_path, dtype="bfloat16", budget=72)
+        assert run_logged(split, prompts, params)[0] == alone
+        assert max(split.engine.stats.tokens_per_step) <= 72 < sum(map(len, prompts))
+        # the same prompts again: all but their last partial block cached
+        again, reqs = run_logged(split, prompts, params)
+        assert [r.num_cached_tokens for r in reqs] == [len(p) // 16 * 16 for p in prompts]
+        assert again == alone
+        tight = make_llm(smollm_path, dtype="bfloat16", num_blocks=10)
+        assert run_logged(tight, prompts, params)[0] == alone
+        assert tight.engine.stats.preemptions > 0
+    finally:
+        if amx:
+            cpu_native.set_amx(True)

@@ -80,3 +80,40 @@ def test_mixed_batch_matches_dense_reference(seqs: list[tuple[int, int]], dtype:
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs and output
         torch.testing.assert_close(out[start:start + new].float(), ref, rtol=tol, atol=tol)
         start += new
+
+
+def test_a_prompt_row_gets_one_result_however_its_prompt_is_split(cpu_path: str) -> None:
+    """bf16 on the CPU backend's kernels: a prompt's rows are bitwise the same whether the
+    prompt runs in one step, in chunks of any size (across `PROMPT_BLOCK` boundaries), or as
+    the tail after a cached prefix; rows past the prompt, computed again in a chunk (after a
+    preemption), equal what the decode kernel gave them one at a time."""
+    from localllm.kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("the native kernels do not run here")
+    torch.manual_seed(1)
+    heads, kv_heads, dim, bs, n = 9, 3, 64, 16, 150
+    blocks = torch.randperm(40)[:-(-n // bs)].tolist()  # scattered through the pool
+    cache = KVCache(torch.zeros(40, bs, kv_heads, dim, dtype=torch.bfloat16),
+                    torch.zeros(40, bs, kv_heads, dim, dtype=torch.bfloat16))
+    q, k, v = (torch.randn(n, h, dim).bfloat16() for h in (heads, kv_heads, kv_heads))
+    ops, spec = CpuBackend(), AttentionSpec(dim ** -0.5)
+
+    def attend(start: int, end: int, prompt_len: int) -> torch.Tensor:
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, end)])
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=torch.tensor([blocks]),
+                                 query_lens=[end - start], context_lens=[end], block_size=bs,
+                                 prompt_lens=[prompt_len])
+        return ops.attention(q[start:end], k[start:end], v[start:end], cache, meta, spec)
+
+    whole = attend(0, n, n)
+    torch.testing.assert_close(whole.float(), dense_ref(q.float(), k.float(), v.float(),
+                                                        dim ** -0.5), rtol=2e-2, atol=2e-2)
+    for chunk in (1, 7, 64, 100):
+        parts = torch.cat([attend(s, min(s + chunk, n), n) for s in range(0, n, chunk)])
+        assert torch.equal(parts, whole), chunk
+    assert torch.equal(attend(144, n, n), whole[144:])  # after 9 cached blocks
+    decoded = torch.cat([attend(p, p + 1, 100) for p in range(100, n)])  # one query a step
+    again = attend(90, n, 100)  # 10 prompt rows, then 50 decoded once
+    assert torch.equal(again[:10], whole[90:100])
+    assert torch.equal(again[10:], decoded)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localllm.backends.cpu import CpuBackend, packing, weights
-from localllm.backends.cpu.dispatch import decode_rows
+from localllm.backends.cpu import CpuBackend, dispatch, packing, weights
+from localllm.backends.cpu.dispatch import decode_rows, step_rows
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_native
@@ -203,6 +203,60 @@ def test_decoding_rows_keep_the_kernel_beside_a_long_prompt(kind: str, cpu_path:
     assert torch.equal(y[3:], lin(x[3:]))  # the prompt rows as alone
     ref = x[3:].float() @ lin.dense_weight().float().t()
     assert (y[3:].float() - ref).abs().max() <= bf16_rounded_error(ref)
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_a_prompt_row_gets_one_result_however_its_steps_split_it(kind: str,
+                                                                 cpu_path: str) -> None:
+    # within an engine step (`step_rows`) each prompt's rows take its whole length's path: a
+    # 60-token prompt gives its rows the same results in one step, split over two steps beside
+    # decoding rows and a short prompt, or as a 2-row tail after a cached prefix
+    lin, x = quantized_linear_and_rows(kind, 60, seed=7)
+    _, other = quantized_linear_and_rows(kind, 12, seed=8)  # 3 decoding rows, a 9-row prompt
+    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
+    if amx:
+        cpu_native.set_amx(False)
+    try:
+        with step_rows(((60, 60),)):
+            whole = lin(x)
+        with step_rows(((3, 0), (40, 60), (9, 9))):
+            first = lin(torch.cat((other[:3], x[:40], other[3:])))
+        with step_rows(((20, 60),)):
+            rest = lin(x[40:])
+        with step_rows(((1, 0), (2, 60))):
+            tail = lin(torch.cat((other[:1], x[58:])))
+        with step_rows(((9, 9),)):
+            short = lin(other[3:])
+    finally:
+        if amx:
+            cpu_native.set_amx(True)
+    assert torch.equal(first[3:43], whole[:40]) and torch.equal(rest, whole[40:])
+    assert torch.equal(tail[1:], whole[58:])
+    assert torch.equal(first[43:], short)
+    for i in range(3):  # decoding rows: their results alone
+        assert torch.equal(first[i], lin(other[i:i + 1])[0])
+    ref = x.float() @ lin.dense_weight().float().t()
+    assert (whole.float() - ref).abs().max() <= bf16_rounded_error(ref)
+
+
+def test_a_prompt_takes_the_path_of_its_whole_length() -> None:
+    # never the dequantized matmul (its rows change with its row count): the last other path
+    policy = dispatch.ROW_POLICY
+    native = policy["native", "codes"]
+    assert [dispatch.prompt_path(native, n) for n in (0, 1, 16, 17, 5000)] == [dispatch.K] * 5
+    amx = policy["amx", "codes"]
+    assert ([dispatch.prompt_path(amx, n) for n in (0, 4, 5, 32, 33, 768, 769)]
+            == [dispatch.K, dispatch.K, dispatch.T, dispatch.T, dispatch.G, dispatch.G,
+                dispatch.G])
+    with step_rows(((2, 0), (5, 40), (3, 0), (4, 40))):  # one path: one slice
+        assert dispatch.row_groups(native, 14) == [(dispatch.K, slice(0, 14))]
+    with step_rows(((2, 0), (5, 40), (3, 0), (4, 40))):
+        groups = dispatch.row_groups(amx, 14)
+    assert [g[0] for g in groups] == [dispatch.K, dispatch.G]
+    assert torch.equal(torch.as_tensor(groups[0][1]), torch.tensor([0, 1, 7, 8, 9]))
+    assert torch.equal(torch.as_tensor(groups[1][1]), torch.tensor([2, 3, 4, 5, 6, 10, 11, 12, 13]))
+    with step_rows(((2, 0), (5, 40))):  # rows that do not add up: the count decides
+        assert dispatch.row_groups(native, 9) == [(dispatch.K, slice(0, 9))]
 
 
 @pytest.mark.parametrize("kind", ["q4_1-like", "q8_0-like"])

@@ -16,11 +16,11 @@ import torch
 
 from localllm.backends.cpu import ops, weight_arena, whole_step
 from localllm.backends.cpu.attention import CpuPagedAttention
-from localllm.backends.cpu.dispatch import decode_rows
+from localllm.backends.cpu.dispatch import decode_rows, step_rows
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuInt8ChannelWeight, CpuPackedWeight
 from localllm.backends.pytorch.backend import TorchBackend
-from localllm.layers.attention import KVCache
+from localllm.layers.attention import AttentionMetadata, KVCache
 from localllm.layers.backend import Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
@@ -67,6 +67,12 @@ class CpuBackend(TorchBackend):
 
     def decoding_rows(self, n: int) -> AbstractContextManager[None]:
         return decode_rows(n)
+
+    def step_rows(self, meta: AttentionMetadata) -> AbstractContextManager[None]:
+        # each prompt's rows take its whole length's path (`dispatch.row_groups`)
+        if meta.prompt_lens is None:
+            return decode_rows(meta.leading_decodes())
+        return step_rows(meta.row_runs())
 
     def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         return whole_step.build(layout)

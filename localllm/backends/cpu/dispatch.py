@@ -1,13 +1,14 @@
-"""Which matmul a packed weight's rows take, by row count: the CPU backend's one policy table.
+"""Which matmul a packed weight's rows take: the CPU backend's one policy table.
 
-A packed matmul's rows are decoding tokens (the step's leading rows, `decode_rows`) or a
-prompt's rows. Decoding rows always take the few-rows kernel, which computes every row the same
-way whatever else shares its batch, so a request's tokens do not depend on its neighbours, even
-when a long prompt shares the step. A batch of at most the first entry's row count runs wholly
-on the kernel too; in a larger batch, the rows that are not decoding take the path their own
-count picks as if they had the step alone: the kernel for at most the first entry's rows, else
-the first later entry whose row count they fit (so a short prompt beside decoding rows is
-computed as it is alone).
+A packed matmul's rows are decoding tokens or a prompt's tokens. Decoding rows always take the
+few-rows kernel, which computes every row the same way whatever else shares its batch, so a
+request's tokens do not depend on its neighbours, even when a long prompt shares the step.
+Within an engine step (`step_rows`) a prompt's rows take the path its whole prompt's length
+picks (`prompt_path`), one that computes each row alone: never the dequantized weight with
+PyTorch's matmul, whose rows change with the call's row count. So a prompt's tokens are the
+same whether it is prefilled in one step, split over steps by the token budget, beside other
+prompts, or resumed after a cached prefix. Outside a step (`decode_rows`, or nothing) the
+leading decoding rows take the kernel and the others the path their own count picks.
 
 `ROW_POLICY[machine, kind]` lists (at most this many rows, path) in order. The machine is
 `amx` (native kernels and AMX tiles), `native` (native kernels without AMX: the AVX-512 or
@@ -68,6 +69,9 @@ GATED_MIN_ROWS = 33
 
 # how many leading rows of the batch in flight are decoding tokens (see the module docstring)
 _DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)
+# the step's rows as runs (rows, prompt length): 0 for decoding rows (`step_rows`)
+_ROW_RUNS: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar("row_runs", default=None)
+Rows = slice | torch.Tensor  # the rows of a batch one path takes
 
 
 @contextmanager
@@ -79,6 +83,22 @@ def decode_rows(n: int) -> Iterator[None]:
         yield
     finally:
         _DECODE_ROWS.reset(token)
+
+
+@contextmanager
+def step_rows(runs: tuple[tuple[int, int], ...]) -> Iterator[None]:
+    """Within this block the batch's rows are `runs`, in order: (rows, prompt length), with
+    prompt length 0 for decoding rows (`AttentionMetadata.row_runs`)."""
+    token = _ROW_RUNS.set(runs)
+    try:
+        yield
+    finally:
+        _ROW_RUNS.reset(token)
+
+
+def step_planned() -> bool:
+    """Whether a `step_rows` block is in force."""
+    return _ROW_RUNS.get() is not None
 
 
 def machine() -> str:
@@ -116,32 +136,63 @@ def rest_path(table: Policy, rows: int) -> MatmulPath:
 
 
 def decoding_split(table: Policy, rows: int) -> int:
-    """How many of a batch's `rows` leading rows take the kernel."""
+    """How many of a batch's `rows` leading rows take the kernel (outside `step_rows`)."""
     if rows <= table[0][0]:
         return rows
     return min(_DECODE_ROWS.get(), rows)
+
+
+def prompt_path(table: Policy, prompt_len: int) -> MatmulPath:
+    """The path of every row of a prompt of `prompt_len` tokens (0: decoding rows) within a
+    step: the first entry whose row count it fits, except that it never takes `D`, whose rows
+    change with the call's row count (PyTorch's bf16 matmul splits its work by the shape),
+    but the last other entry's path (on the `native` machine the kernel, whose 512-token
+    prefill takes about 1.1x as long)."""
+    fits = [path for limit, path in table if path is not D]
+    return next((path for limit, path in table if path is not D and prompt_len <= limit),
+                fits[-1])
+
+
+def row_groups(table: Policy, rows: int) -> list[tuple[MatmulPath, Rows]]:
+    """The batch's `rows` by path, in order of their first row: within `step_rows` each run
+    takes its prompt's path (runs of one path together), else the leading decoding rows take
+    the kernel and the others the path their count picks."""
+    runs = _ROW_RUNS.get()
+    if runs is None or sum(n for n, _ in runs) != rows:
+        d = decoding_split(table, rows)
+        groups: list[tuple[MatmulPath, Rows]] = [(K, slice(0, d))] if d else []
+        if d < rows:
+            n = rows - d
+            groups.append((K if n <= table[0][0] else rest_path(table, n), slice(d, rows)))
+        return groups
+    spans: dict[MatmulPath, list[tuple[int, int]]] = {}
+    start = 0
+    for n, prompt_len in runs:
+        if n:
+            spans.setdefault(prompt_path(table, prompt_len), []).append((start, start + n))
+        start += n
+    out: list[tuple[MatmulPath, Rows]] = []
+    for path, ranges in spans.items():
+        if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):  # one contiguous run
+            out.append((path, slice(ranges[0][0], ranges[-1][1])))
+        else:
+            out.append((path, torch.cat([torch.arange(a, b) for a, b in ranges])))
+    return out
 
 
 def split_matmul(x: torch.Tensor, table: Policy,
                  kernel: Callable[[torch.Tensor], torch.Tensor],
                  rest: Callable[[torch.Tensor, MatmulPath], torch.Tensor],
                  out_features: int) -> torch.Tensor:
-    """x @ W.T through `kernel` for the rows `decoding_split` gives it; the others (a prompt's
-    rows) take the path their own count picks, as they would in a step of their own: `kernel`
-    for at most the first entry's rows, else `rest(rows, path)`. So a short prompt that joins
-    decoding rows is computed as it is alone, and its request's tokens do not depend on them."""
-    m = x.shape[0]
-    d = decoding_split(table, m)
-    if d == m:
-        return kernel(x)
+    """x @ W.T, each group of `row_groups` through its path: `kernel` (K), else
+    `rest(rows, path)`."""
+    def run(path: MatmulPath, rows: torch.Tensor) -> torch.Tensor:
+        return kernel(rows) if path is K else rest(rows, path)
 
-    def others(rows: torch.Tensor) -> torch.Tensor:
-        n = rows.shape[0]
-        return kernel(rows) if n <= table[0][0] else rest(rows, rest_path(table, n))
-
-    if d == 0:
-        return others(x)
-    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
-    y[:d] = kernel(x[:d])
-    y[d:] = others(x[d:])
+    groups = row_groups(table, x.shape[0])
+    if len(groups) == 1:
+        return run(groups[0][0], x)
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    for path, rows in groups:
+        y[rows] = run(path, x[rows])
     return y

@@ -14,10 +14,10 @@ from localllm.backends.cpu.dispatch import (
     ROW_POLICY,
     MatmulPath,
     Policy,
-    decoding_split,
     packed_policy,
-    rest_path,
+    row_groups,
     split_matmul,
+    step_planned,
 )
 from localllm.backends.cpu.ops import silu_mul
 from localllm.backends.cpu.packing import (
@@ -244,16 +244,23 @@ class CpuPackedWeight:
         activation tile by tile (`cpu_native.int4_gemm`), so the [rows, out] product is never
         held whole."""
         inter, m = self.out_features // 2, x.shape[0]
-        table = self._policy()
-        d = decoding_split(table, m)
-        if (d == m or inter % TILE or m - d < GATED_MIN_ROWS
-                or rest_path(table, m - d) is not MatmulPath.GEMM):
+        groups = row_groups(self._policy(), m)
+        # outside a step only a batch's own rows decide (at least GATED_MIN_ROWS of them);
+        # within one (`step_rows`) every row of a GEMM prompt takes it, whatever shares its step
+        if inter % TILE or not any(
+                path is MatmulPath.GEMM and (step_planned() or _count(rows, m) >= GATED_MIN_ROWS)
+                for path, rows in groups):
             return silu_mul(self.matmul(x))
-        act = cpu_int4.int4_gemm(x[d:], self.packed, self.scales_zeros, self.out_features,
-                                 self.planes, self.lut, gated=True)
-        if d == 0:
-            return act
-        return torch.cat((silu_mul(self._kernel(x[:d])), act))
+        act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+        for path, rows in groups:
+            if path is MatmulPath.GEMM:
+                act[rows] = cpu_int4.int4_gemm(x[rows], self.packed, self.scales_zeros,
+                                               self.out_features, self.planes, self.lut,
+                                               gated=True)
+            else:
+                act[rows] = silu_mul(self._kernel(x[rows]) if path is MatmulPath.KERNEL
+                                     else self._rest(x[rows], path))
+        return act
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to
@@ -334,3 +341,8 @@ class CpuInt8ChannelWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float() * self.exact_scales[ids].float().unsqueeze(1)
+
+
+def _count(rows: slice | torch.Tensor, m: int) -> int:
+    """How many of a batch's m rows `rows` selects."""
+    return len(range(m)[rows]) if isinstance(rows, slice) else len(rows)
