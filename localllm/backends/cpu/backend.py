@@ -71,7 +71,7 @@ class CpuBackend(TorchBackend):
     def step_rows(self, meta: AttentionMetadata) -> AbstractContextManager[None]:
         # each prompt's rows take its whole length's path (`dispatch.row_groups`)
         if meta.prompt_lens is None:
-            return decode_rows(meta.leading_decodes())
+            return super().step_rows(meta)
         return step_rows(meta.row_runs())
 
     def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:

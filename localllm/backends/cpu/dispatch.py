@@ -148,9 +148,8 @@ def prompt_path(table: Policy, prompt_len: int) -> MatmulPath:
     change with the call's row count (PyTorch's bf16 matmul splits its work by the shape),
     but the last other entry's path (on the `native` machine the kernel, whose 512-token
     prefill takes about 1.1x as long)."""
-    fits = [path for limit, path in table if path is not D]
-    return next((path for limit, path in table if path is not D and prompt_len <= limit),
-                fits[-1])
+    entries = [(limit, path) for limit, path in table if path is not D]
+    return next((path for limit, path in entries if prompt_len <= limit), entries[-1][1])
 
 
 def row_groups(table: Policy, rows: int) -> list[tuple[MatmulPath, Rows]]:
