@@ -128,6 +128,6 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                   const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
                   const float *cos_t, const float *sin_t, int64_t table_rows,
-                  const StepEmbed *embed, const StepHead *head);
+                  const StepEmbed *embed, const StepHead *head, int64_t steps);
 
 #endif

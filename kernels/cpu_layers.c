@@ -80,16 +80,14 @@ static int rope_store(uint16_t *qkv, int64_t M, const DecoderDims *d, const Deco
     return e;
 }
 
-/* x: bf16 [M][hidden], the step's embeddings (with `embed`, looked up here first); overwritten
- * with the final normalized hidden states. Returns 0; -1 on a bad position, slot, block or
- * context length (reported by the step that found it; earlier layers' K/V are then already
- * stored); -2 out of memory; -3 a token id beyond the embedding (nothing computed). head:
- * NULL, or the LM head to run after the layers. */
-int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
-                  const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
-                  const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
-                  const float *cos_t, const float *sin_t, int64_t table_rows,
-                  const StepEmbed *embed, const StepHead *head) {
+/* One step of decode_layers (its operands), the head's best ids and logits written to best and
+ * best_logit ([M] each) */
+static int decode_step(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
+                       const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
+                       const int64_t *slots, const int64_t *tables, int64_t width,
+                       const int64_t *ctx, const float *cos_t, const float *sin_t,
+                       int64_t table_rows, const StepEmbed *embed, const StepHead *head,
+                       int64_t *best, float *best_logit) {
     const int64_t H = d->hidden, head_dim = d->head_dim;
     const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
     const int64_t q_w = num_heads * head_dim, kv_w = num_kv_heads * head_dim;
@@ -161,8 +159,63 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
             return -2; /* the layout was checked in Python: only memory fails */
         int4_refine_half(head->logits, n, M, n, x, H, w->packed, w->sz, H, w->out_padded,
                          w->planes, w->group_size, head->refine_k);
-        top_k(head->logits, n, M, n, 1, head->best);
-        for (int64_t b = 0; b < M; b++) head->best_logit[b] = head->logits[b * n + head->best[b]];
+        top_k(head->logits, n, M, n, 1, best);
+        for (int64_t b = 0; b < M; b++) best_logit[b] = head->logits[b * n + best[b]];
     }
+    return rc;
+}
+
+/* x: bf16 [M][hidden], the step's embeddings (with `embed`, looked up here first); overwritten
+ * with the final normalized hidden states. Returns 0; -1 on a bad position, slot, block or
+ * context length (reported by the step that found it; earlier layers' K/V are then already
+ * stored); -2 out of memory; -3 a token id beyond the embedding (nothing computed). head:
+ * NULL, or the LM head to run after the layers.
+ *
+ * steps > 1 (with both embed and head): that many greedy decode steps, each row's next token
+ * the best of the step before, at the next position (its slot from its block table, its
+ * context one longer); head's best and best_logit are then [steps][M], its logits the last
+ * step's. Each step is the one-step call on those operands, so the tokens are the ones the
+ * same number of separate calls would pick. An error stops at the step that found it (the
+ * steps before it have their results). */
+int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
+                  const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
+                  const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *ctx,
+                  const float *cos_t, const float *sin_t, int64_t table_rows,
+                  const StepEmbed *embed, const StepHead *head, int64_t steps) {
+    if (steps == 1)
+        return decode_step(layers, n_layers, d, final_norm, x, M, pos, slots, tables, width,
+                           ctx, cos_t, sin_t, table_rows, embed, head, head ? head->best : NULL,
+                           head ? head->best_logit : NULL);
+    if (steps < 1 || !embed || !head || d->block_size < 1) return -1;
+    int64_t *ops = malloc(sizeof(int64_t) * (size_t)(4 * M)); /* ids | pos | slots | ctx */
+    if (!ops) return -2;
+    int64_t *ids = ops, *p = ops + M, *sl = ops + 2 * M, *c = ops + 3 * M;
+    memcpy(ids, embed->ids, sizeof(int64_t) * (size_t)M);
+    memcpy(p, pos, sizeof(int64_t) * (size_t)M);
+    memcpy(sl, slots, sizeof(int64_t) * (size_t)M);
+    memcpy(c, ctx, sizeof(int64_t) * (size_t)M);
+    StepEmbed e = *embed;
+    e.ids = ids;
+    int rc = 0;
+    for (int64_t j = 0; j < steps && !rc; j++) {
+        int64_t *best = head->best + j * M;
+        if (j > 0) {
+            for (int64_t b = 0; b < M && !rc; b++) {
+                ids[b] = best[b - M];
+                p[b]++;
+                c[b]++;
+                const int64_t blk = p[b] / d->block_size;
+                if (blk >= width) {
+                    rc = -1;
+                    break;
+                }
+                sl[b] = tables[b * width + blk] * d->block_size + p[b] % d->block_size;
+            }
+            if (rc) break;
+        }
+        rc = decode_step(layers, n_layers, d, final_norm, x, M, p, sl, tables, width, c, cos_t,
+                         sin_t, table_rows, &e, head, best, head->best_logit + j * M);
+    }
+    free(ops);
     return rc;
 }

@@ -182,11 +182,9 @@ class DecoderStack:
         self.embed = embed
         self._x = torch.empty(max_rows, d.hidden, dtype=torch.bfloat16)  # run_tokens' inputs
         if head is not None:  # the head's struct and its best ids / logits, filled per call
-            self._best = (ctypes.c_int64 * max_rows)()
-            self._best_logit = (ctypes.c_float * max_rows)()
-            self._head = _StepHead(head.weight.struct(), head.refine_k, None,
-                                   ctypes.addressof(self._best),
-                                   ctypes.addressof(self._best_logit))
+            self._head = _StepHead(head.weight.struct(), head.refine_k, None, None, None)
+            self._best, self._best_logit = (ctypes.c_int64 * 0)(), (ctypes.c_float * 0)()
+            self._best_room(max_rows)
         self._structs = (_DecoderLayer * len(layers))(*[
             _DecoderLayer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.struct(),
                           l.o.struct(), l.gate_up.struct(), l.down.struct(), None, None)
@@ -195,6 +193,15 @@ class DecoderStack:
         self._pool_key: tuple[int, ...] = ()
         self._dims = _DecoderDims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.rope_dim,
                                   int(d.neox), d.intermediate, 0, 0, d.eps, d.scale)
+
+    def _best_room(self, n: int) -> None:
+        # the head's best ids and logits: room for n of each (kept for later calls)
+        if n <= len(self._best):
+            return
+        self._best = (ctypes.c_int64 * n)()
+        self._best_logit = (ctypes.c_float * n)()
+        self._head.best = ctypes.addressof(self._best)
+        self._head.best_logit = ctypes.addressof(self._best_logit)
 
     def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if pools is self._pools:  # the caller's list of the last call (its tensors held here)
@@ -256,6 +263,31 @@ class DecoderStack:
                    self._embed, None)
         return x
 
+    def run_greedy(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                   sin: torch.Tensor, steps: int) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` greedy decode steps in one call (a stack with an embedding and a head): the
+        first from ids at positions / slots / context_lens, each later one from the rows' best
+        tokens of the step before, one position on (slots from block_tables, which must hold
+        them; cos and sin must cover the last position). Returns best[step][row] and its logit,
+        the tokens `steps` calls of `run_tokens` would pick one after another."""
+        assert self.embed is not None and self.head is not None, \
+            "DecoderStack.run_greedy: needs the embedding and the head"
+        m = ids.shape[0]
+        if not (steps >= 1 and ids.dtype == torch.int64 and ids.shape == (m,)
+                and ids.is_contiguous()):
+            raise ValueError("DecoderStack.run_greedy: bad token ids or steps")
+        self._embed.ids = ids.data_ptr()
+        self._best_room(steps * m)
+        logits = torch.empty(m, self.head.weight.out_features, dtype=torch.float32)
+        self._head.logits = logits.data_ptr()
+        self._call(self._x, m, positions, slots, block_tables, context_lens, pools, cos, sin,
+                   self._embed, self._head, steps)
+        best, best_logit = self._best[:steps * m], self._best_logit[:steps * m]
+        return ([best[j * m:(j + 1) * m] for j in range(steps)],
+                [best_logit[j * m:(j + 1) * m] for j in range(steps)])
+
     def _logits(self, x: torch.Tensor, m: int | None, positions: torch.Tensor,
                 slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
@@ -272,7 +304,8 @@ class DecoderStack:
     def _call(self, x: torch.Tensor, m: int | None, positions: torch.Tensor,
               slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
               pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
-              sin: torch.Tensor, embed: _StepEmbed | None, head: _StepHead | None) -> None:
+              sin: torch.Tensor, embed: _StepEmbed | None, head: _StepHead | None,
+              steps: int = 1) -> None:
         # x: bf16 [>= m, hidden], its first m rows the step's (all of them for m None)
         lib = cpu_native.library()
         assert lib is not None
@@ -297,7 +330,7 @@ class DecoderStack:
                                block_tables.shape[1], context_lens.data_ptr(), cos.data_ptr(),
                                sin.data_ptr(), cos.shape[0],
                                None if embed is None else ctypes.byref(embed),
-                               None if head is None else ctypes.byref(head))
+                               None if head is None else ctypes.byref(head), steps)
         if rc == -2:
             raise MemoryError("decode_layers: out of memory")
         if rc == -3:

@@ -257,7 +257,7 @@ def _library_of(name: str) -> ctypes.CDLL | None:
                               f32, ptr, i64], ctypes.c_int),
         "top_k": ([ptr, i64, i64, i64, i64, ptr], None),
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                           i64, ptr, ptr], ctypes.c_int),
+                           i64, ptr, ptr, i64], ctypes.c_int),
     }
     for fn_name, (args, res) in signatures.items():
         fn = getattr(lib, fn_name)

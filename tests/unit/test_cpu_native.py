@@ -397,11 +397,42 @@ def test_decoder_stack_runs_a_q8_0_head_as_the_model_does(small_model: torch.nn.
         stack.run_tokens(torch.tensor([1, VOCAB_SIZE, 2]), *args, clean, cos, sin, True)
 
 
+def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
+    m = load_gguf(head_model_file, torch.bfloat16).model
+    stack = build_stack(m.decoder_layout())
+    assert stack is not None and stack.head is not None and stack.embed is not None
+    pools, _, (pos, slots, tables, ctx) = stack_step(9)
+    clean = [(k.clone(), v.clone()) for k, v in pools]
+    cos, sin = m.rope.tables(64, torch.device("cpu"))
+    ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
+    best, best_logit = stack.run_greedy(ids, pos, slots, tables, ctx, pools, cos, sin, 3)
+    # the same three steps, one call each, each step's best the next step's input
+    alone = [(k.clone(), v.clone()) for k, v in clean]
+    p, c = pos.clone(), ctx.clone()
+    for j in range(3):
+        s = torch.tensor([int(tables[i, int(p[i]) // 16]) * 16 + int(p[i]) % 16
+                          for i in range(3)])
+        got = stack.run_tokens(ids, p, s, tables, c, alone, cos, sin, True)
+        assert isinstance(got, tuple)
+        assert best[j] == got[1] and best_logit[j] == got[2]
+        ids, p, c = torch.tensor(got[1]), p + 1, c + 1
+    assert all(torch.equal(a, b) for x, y in zip(pools, alone) for a, b in zip(x, y))
+    # one step is the plain call; a step past a row's block table is an error
+    assert stack.run_greedy(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
+                            [(k.clone(), v.clone()) for k, v in clean], cos, sin, 1)[0][0] == \
+        stack.run_tokens(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
+                         [(k.clone(), v.clone()) for k, v in clean], cos, sin, True)[1]
+    end = torch.tensor([4, 31, 0])  # row 1's table ends at position 31
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run_greedy(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
+                         end + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
+
+
 def test_engine_samples_the_heads_pick_as_the_per_op_head(head_model_file: Path) -> None:
-    from localllm import LLM, SamplingParams
+    from localllm import LLM, SamplingParams, SchedulerConfig
     from localllm.layers.backend import StepLogits
 
-    llm = LLM(head_model_file)
+    llm = LLM(head_model_file, scheduler=SchedulerConfig(decode_steps=1))  # a call a step
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     runner = llm.engine.runner
