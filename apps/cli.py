@@ -17,6 +17,13 @@ if TYPE_CHECKING:  # the functions below import them when called
     from localllm.llm import LLM
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return n
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF file or Hugging Face checkpoint folder "
                    "(default: $LOCALLLM_MODEL, the config "
@@ -37,6 +44,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="context length to serve (default: the model's)")
     p.add_argument("--kv-cache-memory", type=float, default=0,
                    help="KV cache size in GiB (default: up to 1 GiB)")
+    p.add_argument("--decode-steps", type=_at_least_one, default=0,
+                   help="greedy decode steps one call may run back to back while every "
+                   "running request decodes greedily and none waits (the CPU's native "
+                   "kernels; their tokens then arrive together); 1: a call a step "
+                   "(default: 4)")
     add_store_args(p)
 
 
@@ -115,7 +127,8 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
         max_model_len=args.max_model_len,
         max_num_seqs=getattr(args, "max_num_seqs", None) or default.max_num_seqs,
         max_num_batched_tokens=(getattr(args, "max_num_batched_tokens", None)
-                                or default.max_num_batched_tokens))
+                                or default.max_num_batched_tokens),
+        decode_steps=getattr(args, "decode_steps", 0) or default.decode_steps)
     llm = LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched,
               num_threads=threads or args.threads, progress=stderr_progress("loading"),
               quantize=args.quantize, device=args.device,

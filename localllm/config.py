@@ -169,10 +169,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_model_len: int = 0  # 0: the model's context length
     enable_chunked_prefill: bool = True
+    # greedy decode steps one call may run back to back where every running request decodes
+    # greedily, nothing waits and the backend has the path (the CPU's native stack); 1: one
+    decode_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.decode_steps < 1:
+            raise ValueError("decode_steps must be at least 1")
 
 
 @dataclass(frozen=True)

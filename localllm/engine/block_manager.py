@@ -145,6 +145,12 @@ class BlockManager:
         reclaim = sum(1 for b in hits.block_ids if self.allocator.ref_counts[b] == 0)
         return need + reclaim <= self.allocator.num_free
 
+    def can_grow(self, reqs: Sequence[Request], num_new_tokens: int) -> bool:
+        """Whether every request of `reqs` can have blocks for its next `num_new_tokens` tokens
+        at once."""
+        need = sum(self._num_new_blocks(r, num_new_tokens, NO_MATCH) for r in reqs)
+        return need <= self.allocator.num_free
+
     def allocate(self, req: Request, num_new_tokens: int, hits: PrefixMatch = NO_MATCH) -> bool:
         """Give `req` its prefix hits (on admission) and enough new blocks for its next tokens.
 

@@ -168,7 +168,25 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return outputs
-        sampled = self._run(out)
+        steps = self._greedy_steps(out)
+        ahead = self._run_greedy(out, steps) if steps > 1 else None
+        if ahead is None:
+            self._finish_step(out, self._run(out), outputs)
+            return outputs
+        # each step's tokens as if it had been a step of its own: requests that finish (a stop
+        # token or string, max_tokens) take no part in the steps after, whose tokens for them
+        # are dropped
+        for j, sampled in enumerate(ahead):
+            live = [s for s in out.scheduled if s.request.status is RequestStatus.RUNNING]
+            if not live:
+                break
+            self._finish_step(SchedulerOutput(live, out.preempted if j == 0 else []),
+                              {s.request.request_id: sampled[s.request.request_id]
+                               for s in live}, outputs)
+        return outputs
+
+    def _finish_step(self, out: SchedulerOutput, sampled: dict[str, int],
+                     outputs: list[RequestOutput]) -> None:
         self.scheduler.update(out, sampled, self.tokenizer.stop_ids)
         if (sum(s.num_new_tokens for s in out.scheduled) >= TRIM_AFTER_PROMPT_TOKENS
                 and all(s.samples for s in out.scheduled) and not self.scheduler.waiting):
@@ -180,7 +198,42 @@ class LLMEngine:
             if req.request_id in sampled or req.is_finished:
                 new = [sampled[req.request_id]] if req.request_id in sampled else []
                 outputs.append(self._output(req, new))
-        return outputs
+
+    def _greedy_steps(self, out: SchedulerOutput) -> int:
+        """How many decode steps this batch runs in one call: up to `decode_steps` where every
+        request decodes one token greedily with nothing to apply to its logits (no repetition
+        penalty, no log-probabilities, no padded vocabulary to mask), no request waits to be
+        admitted and no abort is pending (each would wait for the call); else 1."""
+        steps = self.scheduler.config.decode_steps
+        if (steps < 2 or out.preempted or self.scheduler.waiting or self._aborts
+                or self.loaded.config.vocab_size > self.tokenizer.vocab_size
+                or not self.runner.runs_greedy_steps):
+            return 1
+        for s in out.scheduled:
+            p = s.request.params
+            if (s.num_new_tokens != 1 or not s.samples or not p.greedy
+                    or p.repetition_penalty != 1.0 or p.logprobs is not None):
+                return 1
+        return self.scheduler.reserve_ahead(out, steps)
+
+    def _run_greedy(self, out: SchedulerOutput, steps: int) -> list[dict[str, int]] | None:
+        """The sampled tokens of `steps` greedy decode steps of the batch run in one call
+        (fewer up to a step whose best logit is not finite), or None where the backend did
+        not run them (the batch then takes a step of its own, which reports any error)."""
+        try:
+            got = self.runner.execute_greedy(out.scheduled, steps)
+        except Exception:
+            log.exception("a multi-step decode call failed; running the step alone")
+            return None
+        if got is None:
+            return None
+        ids = [s.request.request_id for s in out.scheduled]
+        ahead = []
+        for best, best_logit in zip(got.best, got.best_logit):
+            if not all(map(math.isfinite, best_logit)):
+                break
+            ahead.append(dict(zip(ids, best)))
+        return ahead or None
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         try:

@@ -2,7 +2,8 @@
 
 The runner holds the model's backend and device: it allocates the KV pools through the
 backend, builds each step's metadata, and takes the backend's whole-step fast path (a
-decode-only step in one call) where the backend has one, the model's forward otherwise. It also
+decode-only step in one call) where the backend has one, the model's forward otherwise; where the
+backend runs several greedy decode steps in one call, `execute_greedy` takes them. It also
 copies whole blocks out of and into the pools for the prefix store (`read_blocks`,
 `write_blocks`: plain indexing, on any device).
 """
@@ -18,7 +19,7 @@ from localllm.config import ModelConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import StepLogits, WholeStep
+from localllm.layers.backend import GreedySteps, StepLogits, StepTokens, WholeStep
 from localllm.models.registry import CausalLM
 
 
@@ -47,6 +48,8 @@ class ModelRunner:
                                                   cfg.num_kv_heads, cfg.head_dim, model.dtype)
         self._whole_step: WholeStep | None = None
         self._whole_step_built = False
+        self._greedy: GreedySteps | None = None
+        self._greedy_built = False
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A CPU copy of whole blocks' K/V, every layer (for the prefix store):
@@ -136,6 +139,24 @@ class ModelRunner:
             prompt_lens=[len(s.request.prompt_ids) for s in batch],
         )
         return t_ids, t_pos, meta
+
+    @property
+    def runs_greedy_steps(self) -> bool:
+        """Whether the backend runs several greedy decode steps in one call (`execute_greedy`)
+        for this model."""
+        if not self._greedy_built:  # after loading, which must not change the weights
+            self._greedy = self.backend.greedy_steps(self.model.decoder_layout())
+            self._greedy_built = True
+        return self._greedy is not None
+
+    def execute_greedy(self, batch: list[ScheduledRequest], steps: int) -> StepTokens | None:
+        """Run `steps` greedy decode steps of a decode-only batch in one call (each request's
+        block table must already hold its slots for all of them), or None where the backend
+        has no such path or does not take this batch: then nothing was computed."""
+        if not self.runs_greedy_steps or self._greedy is None:
+            return None
+        input_ids, positions, meta = self._prepare(batch)
+        return self._greedy(input_ids, positions, self.kv_caches, meta, steps)
 
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         """Run one step: the sampling requests' logits [num_sampling, vocab] fp32 on the

@@ -115,6 +115,22 @@ class Scheduler:
             budget = max(0, budget - n)
         return SchedulerOutput(scheduled, preempted)
 
+    def reserve_ahead(self, out: SchedulerOutput, steps: int) -> int:
+        """Blocks for up to `steps` decode steps of every request of `out`, a batch of decodes
+        that one call may run back to back: how many steps it may run (blocks for them
+        taken), `steps` capped so that no request runs past its max_tokens or the context
+        (tokens past a stop are computed and dropped), or 1 (nothing taken) where the pool
+        lacks the blocks."""
+        reqs = [s.request for s in out.scheduled]
+        for r in reqs:
+            steps = min(steps, r.params.max_tokens - len(r.output_ids),
+                        self.max_model_len - r.num_tokens)
+        if steps <= 1 or not self.bm.can_grow(reqs, steps):
+            return 1
+        for r in reqs:
+            self.bm.allocate(r, steps)
+        return steps
+
     @staticmethod
     def _scheduled(req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)

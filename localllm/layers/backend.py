@@ -46,6 +46,21 @@ WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetada
                      torch.Tensor | StepLogits | None]
 
 
+@dataclass(frozen=True)
+class StepTokens:
+    """Several greedy decode steps run in one call: best[j][i] is row i's argmax (ties to the
+    lower id) after step j, the input of step j + 1; best_logit[j][i] its logit."""
+    best: list[list[int]]
+    best_logit: list[list[float]]
+
+
+# a fast path for several greedy decode steps of a decode-only batch: (input_ids, positions,
+# caches, meta, steps) -> `StepTokens`, each later step's K/V slots taken from the block tables
+# in `meta` (which must already hold them); None when this batch is not one it takes
+GreedySteps = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, int],
+                       StepTokens | None]
+
+
 class Backend(LayerOps):
     name: str  # as the load line prints it
     device: torch.device
@@ -82,3 +97,9 @@ class Backend(LayerOps):
         """A fast path running decode-only steps of the model `layout` describes, whose own
         step is `forward` (built once, after loading; the weights must not change after), or
         None."""
+
+    def greedy_steps(self, layout: DecoderLayout) -> GreedySteps | None:
+        """A fast path running several greedy decode steps of the model `layout` describes in
+        one call, with the tokens one step at a time would give (built once, after loading),
+        or None (the default: one step a call)."""
+        return None

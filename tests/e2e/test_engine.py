@@ -362,3 +362,67 @@ def test_bf16_split_cached_and_preempted_prompts_match_alone(smollm_path: Path,
     finally:
         if amx:
             cpu_native.set_amx(True)
+
+
+@pytest.mark.parametrize("cpu_path", ["native", "native-avx2"], indirect=True)
+def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_path: str) -> None:
+    """Greedy decodes run up to `decode_steps` steps in one native call: every request gets
+    the tokens, text and finish reason of one step a call, whether it ends on max_tokens, a
+    stop token or a stop string in the middle of a call's steps, and a sampled request in the
+    batch makes it one step a call again."""
+    def make(steps: int) -> LLM:
+        return LLM(smollm_path, dtype="bfloat16",
+                   scheduler=SchedulerConfig(max_num_seqs=8, decode_steps=steps))
+
+    one, four = make(1), make(4)
+    prompts = [one.encode(t) for t in SMOLLM_TEXTS[:4]]
+    # stops taken from the first prompt's own greedy run, so they fall inside a call's steps
+    free = one.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True))[0]
+    stop_text = one.engine.tokenizer.decode(free.token_ids[9:11]).strip()
+    assert stop_text and stop_text in free.text
+    greedy = [SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, stop=(stop_text,)),
+              SamplingParams(max_tokens=30, temperature=0,
+                             stop_token_ids=(free.token_ids[6],)),
+              SamplingParams(max_tokens=21, temperature=0)]
+    sampled = SamplingParams(max_tokens=9, temperature=0.8, seed=5)
+    calls: list[int] = []
+    execute_greedy = four.engine.runner.execute_greedy
+
+    def counted(batch: list[ScheduledRequest], steps: int) -> object:
+        out = execute_greedy(batch, steps)
+        calls.append(steps if out is not None else 0)
+        return out
+
+    four.engine.runner.execute_greedy = counted  # type: ignore[method-assign]
+
+    def batch(llm: LLM, params: list[SamplingParams], ids: list[list[int]]
+              ) -> list[tuple[list[int], str, str]]:
+        # each prompt with its own parameters, all in one batch
+        reqs = [llm.engine.add_request(i, p) for i, p in zip(ids, params)]
+        texts = {r.request_id: "" for r in reqs}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                texts[out.request_id] += out.text
+        return [(r.output_ids, texts[r.request_id], r.finish_reason.value if r.finish_reason
+                 else "") for r in reqs]
+
+    def outputs(llm: LLM, params: list[SamplingParams]) -> list[tuple[list[int], str, str]]:
+        # the first prompt with each parameters alone, then with all of them in one batch,
+        # then four prompts in one batch
+        alone = [x for p in params for x in batch(llm, [p], prompts[:1])]
+        return (alone + batch(llm, params, prompts[:1] * len(params))
+                + batch(llm, greedy[:1] * 4, prompts))
+
+    for params in (greedy, greedy + [sampled]):
+        calls.clear()
+        want = outputs(one, params)
+        assert outputs(four, params) == want
+        assert [w[2] for w in want[:3]] == ["length", "stop", "stop"]
+        assert calls and max(calls) == 4  # calls ran several steps
+    # a sampled request in the batch: one step a call while it runs
+    calls.clear()
+    batch(four, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                 SamplingParams(max_tokens=12, temperature=0.8, seed=1)], prompts[:2])
+    assert 0 < calls.count(4) < 40 // 4

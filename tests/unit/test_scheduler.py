@@ -58,6 +58,36 @@ def test_decodes_go_first_and_prompt_is_chunked() -> None:
     assert out.scheduled[0].request is a and out.scheduled[1].num_new_tokens == 7
 
 
+def test_reserve_ahead_caps_steps_and_takes_blocks_only_when_all_fit() -> None:
+    s = make(num_blocks=8, block_size=4, max_len=14)
+    a = Request([1, 2, 3], SamplingParams(max_tokens=20, temperature=0))
+    b = Request([4, 5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled, one token each: a 4 tokens (1 block), b 6 (2 blocks)
+    out = s.schedule()
+    assert [x.num_new_tokens for x in out.scheduled] == [1, 1]
+    # b may sample 2 more tokens before max_tokens: 2 steps, blocks through position 6 of b
+    assert s.reserve_ahead(out, 8) == 2
+    assert [len(r.block_table) for r in (a, b)] == [2, 2]
+    s.update(out, {a.request_id: 9, b.request_id: 9}, frozenset())
+    s.update(out, {a.request_id: 9, b.request_id: 9}, frozenset())  # b ends on max_tokens
+    assert b.is_finished and len(a.output_ids) == 3
+    out = s.schedule()
+    # a alone: its context (14) caps it at 14 - 6 = 8 steps, and one step is not reserved
+    assert s.reserve_ahead(out, 20) == 8 and len(a.block_table) == 4
+    assert s.reserve_ahead(out, 1) == 1
+    s.bm.check_invariants(s.running)
+    # a pool without the blocks for every request's steps: one step, nothing taken
+    t = make(num_blocks=3, block_size=4)
+    c = Request([1, 2, 3], SamplingParams(max_tokens=20, temperature=0))
+    t.add(c)
+    step(t)
+    out = t.schedule()
+    assert t.reserve_ahead(out, 16) == 1 and len(c.block_table) == 1
+    assert t.reserve_ahead(out, 8) == 8 and len(c.block_table) == 3
+
+
 def test_prefix_blocks_are_shared_and_reused_after_finish() -> None:
     s = make(num_blocks=32)
     prompt = list(range(1, 18))  # 4 full blocks of 4 + 1 token

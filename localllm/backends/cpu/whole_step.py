@@ -23,7 +23,7 @@ from localllm.backends.cpu.dispatch import NATIVE_KERNEL_MAX_ROWS
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_layers, cpu_native
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import StepLogits, WholeStep
+from localllm.layers.backend import GreedySteps, StepLogits, StepTokens, WholeStep
 from localllm.layers.linear import LinearBase, QuantLinear
 from localllm.layers.stack import DecoderLayout
 
@@ -130,3 +130,33 @@ def build(layout: DecoderLayout) -> WholeStep | None:
         return StepLogits(*stack.run_logits(x, *args)) if head else stack.run(x, *args)
 
     return step
+
+
+def build_greedy(layout: DecoderLayout) -> GreedySteps | None:
+    """Several greedy decode steps of the model `layout` describes in one native call, or None
+    where the stack lacks the head or the embedding that the call needs to feed each step's
+    tokens to the next (or does not fit the model)."""
+    stack = build_stack(layout)
+    if stack is None or stack.head is None or stack.embed is None:
+        return None
+    pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def steps(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+              meta: AttentionMetadata, n: int) -> StepTokens | None:
+        # input_ids, positions: [num_seqs], the first step's
+        if input_ids.device.type != "cpu" or not cpu_native.available():
+            return None
+        batch = meta.plan(decode_batch)
+        if batch is None or batch.rows is not None or len(batch.seqs) > stack.max_rows:
+            return None
+        # the last step's positions: n - 1 on from the first's
+        cos, sin = layout.rope.tables(max(meta.context_lens) + n - 1, positions.device)
+        nonlocal pools
+        if not pools or pools[0][0] is not caches[0].k:
+            pools = [(c.k, c.v) for c in caches]
+        best, best_logit = stack.run_greedy(input_ids, positions, meta.slot_mapping,
+                                            batch.block_tables, batch.context_lens, pools, cos,
+                                            sin, n)
+        return StepTokens(best, best_logit)
+
+    return steps
