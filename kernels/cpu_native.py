@@ -60,8 +60,8 @@ SOURCES = {
                    "cpu_ops_avx2.c", "cpu_layers.c"),
 }
 HEADERS = {
-    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int8_rows.h",
-                     "cpu_paged.h", "cpu_simd.h", "cpu_team.h"),
+    "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
+                     "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd.h", "cpu_team.h"),
     "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_int8_rows.h", "cpu_paged.h",
                    "cpu_simd_avx2.h", "cpu_team.h"),
 }
