@@ -47,8 +47,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=_at_least_one, default=0,
                    help="greedy decode steps one call may run back to back while every "
                    "running request decodes greedily and none waits (the CPU's native "
-                   "kernels; their tokens then arrive together); 1: a call a step "
-                   "(default: 4)")
+                   "kernels; their tokens then arrive together, and a request arriving "
+                   "meanwhile waits for the call); 1: a call a step (default: 4)")
     add_store_args(p)
 
 

@@ -209,7 +209,12 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
                     rc = -1;
                     break;
                 }
-                sl[b] = tables[b * width + blk] * d->block_size + p[b] % d->block_size;
+                const int64_t at = tables[b * width + blk];
+                if (at < 0 || at >= d->n_blocks) {
+                    rc = -1;
+                    break;
+                }
+                sl[b] = at * d->block_size + p[b] % d->block_size;
             }
             if (rc) break;
         }

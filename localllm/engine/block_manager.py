@@ -148,7 +148,9 @@ class BlockManager:
     def can_grow(self, reqs: Sequence[Request], num_new_tokens: int) -> bool:
         """Whether every request of `reqs` can have blocks for its next `num_new_tokens` tokens
         at once."""
-        need = sum(self._num_new_blocks(r, num_new_tokens, NO_MATCH) for r in reqs)
+        # a request holding more blocks than it needs (taken ahead for steps that did not run)
+        # lends none of them to the others
+        need = sum(max(0, self._num_new_blocks(r, num_new_tokens, NO_MATCH)) for r in reqs)
         return need <= self.allocator.num_free
 
     def allocate(self, req: Request, num_new_tokens: int, hits: PrefixMatch = NO_MATCH) -> bool:

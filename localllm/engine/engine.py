@@ -101,6 +101,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}  # of the token each request just sampled
         self._aborts: list[str] = []
+        self._greedy_failed = False  # a multi-step decode call raised: one step a call
         self._lock = threading.Lock()
         self._kv_bytes = num_blocks * per_block
         log.info("%s", self.kv_summary())
@@ -206,8 +207,9 @@ class LLMEngine:
         admitted and no abort is pending (each would wait for the call); else 1."""
         steps = self.scheduler.config.decode_steps
         if (steps < 2 or out.preempted or self.scheduler.waiting or self._aborts
+                or self._greedy_failed
                 or self.loaded.config.vocab_size > self.tokenizer.vocab_size
-                or not self.runner.runs_greedy_steps):
+                or len(out.scheduled) > self.runner.greedy_max_seqs):
             return 1
         for s in out.scheduled:
             p = s.request.params
@@ -223,7 +225,9 @@ class LLMEngine:
         try:
             got = self.runner.execute_greedy(out.scheduled, steps)
         except Exception:
-            log.exception("a multi-step decode call failed; running the step alone")
+            # not again: a failure that repeats would cost a call and a traceback every step
+            log.exception("a multi-step decode call failed; decoding one step a call from now")
+            self._greedy_failed = True
             return None
         if got is None:
             return None

@@ -141,22 +141,22 @@ class ModelRunner:
         return t_ids, t_pos, meta
 
     @property
-    def runs_greedy_steps(self) -> bool:
-        """Whether the backend runs several greedy decode steps in one call (`execute_greedy`)
-        for this model."""
+    def greedy_max_seqs(self) -> int:
+        """The most sequences for which the backend runs several greedy decode steps in one
+        call (`execute_greedy`) for this model; 0 where it does not."""
         if not self._greedy_built:  # after loading, which must not change the weights
             self._greedy = self.backend.greedy_steps(self.model.decoder_layout())
             self._greedy_built = True
-        return self._greedy is not None
+        return 0 if self._greedy is None else self._greedy.max_seqs
 
     def execute_greedy(self, batch: list[ScheduledRequest], steps: int) -> StepTokens | None:
         """Run `steps` greedy decode steps of a decode-only batch in one call (each request's
         block table must already hold its slots for all of them), or None where the backend
         has no such path or does not take this batch: then nothing was computed."""
-        if not self.runs_greedy_steps or self._greedy is None:
+        if len(batch) > self.greedy_max_seqs or self._greedy is None:
             return None
         input_ids, positions, meta = self._prepare(batch)
-        return self._greedy(input_ids, positions, self.kv_caches, meta, steps)
+        return self._greedy.run(input_ids, positions, self.kv_caches, meta, steps)
 
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         """Run one step: the sampling requests' logits [num_sampling, vocab] fp32 on the

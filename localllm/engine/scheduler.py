@@ -128,7 +128,8 @@ class Scheduler:
         if steps <= 1 or not self.bm.can_grow(reqs, steps):
             return 1
         for r in reqs:
-            self.bm.allocate(r, steps)
+            if not self.bm.allocate(r, steps):
+                raise AssertionError(f"{r}: blocks for {steps} steps were counted but not there")
         return steps
 
     @staticmethod

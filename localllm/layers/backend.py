@@ -54,11 +54,18 @@ class StepTokens:
     best_logit: list[list[float]]
 
 
-# a fast path for several greedy decode steps of a decode-only batch: (input_ids, positions,
-# caches, meta, steps) -> `StepTokens`, each later step's K/V slots taken from the block tables
-# in `meta` (which must already hold them); None when this batch is not one it takes
-GreedySteps = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, int],
-                       StepTokens | None]
+# several greedy decode steps of a decode-only batch in one call: (input_ids, positions, caches,
+# meta, steps) -> `StepTokens`, each later step's K/V slots taken from the block tables in
+# `meta` (which must already hold them); None when this batch is not one it takes
+GreedyRun = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, int],
+                     StepTokens | None]
+
+
+@dataclass(frozen=True)
+class GreedySteps:
+    """A backend's fast path for several greedy decode steps in one call."""
+    run: GreedyRun
+    max_seqs: int  # the most sequences one call takes
 
 
 class Backend(LayerOps):

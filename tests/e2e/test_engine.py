@@ -421,6 +421,16 @@ def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_pat
         assert outputs(four, params) == want
         assert [w[2] for w in want[:3]] == ["length", "stop", "stop"]
         assert calls and max(calls) == 4  # calls ran several steps
+    # a call that fails: that step alone, and one step a call from then on
+    def broken(batch: list[ScheduledRequest], steps: int) -> object:
+        calls.append(-1)
+        raise RuntimeError("broken")
+
+    calls.clear()
+    four.engine.runner.execute_greedy = broken  # type: ignore[method-assign]
+    assert outputs(four, greedy) == outputs(one, greedy) and calls == [-1]
+    four.engine._greedy_failed = False
+    four.engine.runner.execute_greedy = counted  # type: ignore[method-assign]
     # a sampled request in the batch: one step a call while it runs
     calls.clear()
     batch(four, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),

@@ -426,6 +426,12 @@ def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: P
     with pytest.raises(ValueError, match="out of range"):
         stack.run_greedy(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
                          end + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
+    bad = tables.clone()
+    bad[0, 1] = 8  # row 0's next block is not in the pools (8 blocks)
+    edge = torch.tensor([15, 4, 0])
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run_greedy(torch.tensor([5, 0, 1]), edge, torch.tensor([15, 16 + 4, 32]), bad,
+                         edge + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
 
 
 def test_engine_samples_the_heads_pick_as_the_per_op_head(head_model_file: Path) -> None:

@@ -86,6 +86,19 @@ def test_reserve_ahead_caps_steps_and_takes_blocks_only_when_all_fit() -> None:
     out = t.schedule()
     assert t.reserve_ahead(out, 16) == 1 and len(c.block_table) == 1
     assert t.reserve_ahead(out, 8) == 8 and len(c.block_table) == 3
+    # blocks one request holds for steps that did not run are not the others' to use
+    u = make(num_blocks=4, block_size=4)
+    a = Request([1, 2, 3, 4, 5], SamplingParams(max_tokens=20, temperature=0))
+    b = Request([1, 2], SamplingParams(max_tokens=4, temperature=0))
+    u.add(a)
+    u.add(b)
+    step(u)  # a: 6 tokens (2 blocks), b: 3 (1 block); 1 block free
+    assert u.bm.allocate(a, 4)  # a's blocks for 4 steps that did not run (a failed call)
+    out = u.schedule()
+    assert [len(r.block_table) for r in (a, b)] == [3, 1] and u.bm.num_free_blocks == 0
+    # 3 steps (b's max_tokens) need no block more for a and one more for b: none is free
+    assert u.reserve_ahead(out, 4) == 1 and len(b.block_table) == 1
+    assert u.reserve_ahead(out, 2) == 2  # within b's block
 
 
 def test_prefix_blocks_are_shared_and_reused_after_finish() -> None:

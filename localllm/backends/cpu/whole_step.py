@@ -159,4 +159,4 @@ def build_greedy(layout: DecoderLayout) -> GreedySteps | None:
                                             sin, n)
         return StepTokens(best, best_logit)
 
-    return steps
+    return GreedySteps(steps, stack.max_rows)
