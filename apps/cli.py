@@ -46,7 +46,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in GiB (default: up to 1 GiB)")
     p.add_argument("--decode-steps", type=_at_least_one, default=0,
                    help="greedy decode steps one call may run back to back while every "
-                   "running request decodes greedily and none waits (the CPU's native "
+                   "running request decodes greedily and none waits for KV room (the CPU's native "
                    "kernels; their tokens then arrive together, and a request arriving "
                    "meanwhile waits for the call); 1: a call a step (default: 4)")
     add_store_args(p)

@@ -203,10 +203,13 @@ class LLMEngine:
     def _greedy_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps this batch runs in one call: up to `decode_steps` where every
         request decodes one token greedily with nothing to apply to its logits (no repetition
-        penalty, no log-probabilities, no padded vocabulary to mask), no request waits to be
-        admitted and no abort is pending (each would wait for the call); else 1."""
-        steps = self.scheduler.config.decode_steps
-        if (steps < 2 or out.preempted or self.scheduler.waiting or self._aborts
+        penalty, no log-probabilities, no padded vocabulary to mask), no abort is pending and
+        no request waits but for a running one to end (max_num_seqs run); else 1. A request
+        admitted or aborted meanwhile waits for the call."""
+        sch = self.scheduler
+        steps = sch.config.decode_steps
+        blocked = sch.waiting and len(sch.running) < sch.config.max_num_seqs
+        if (steps < 2 or out.preempted or blocked or self._aborts
                 or self._greedy_failed
                 or self.loaded.config.vocab_size > self.tokenizer.vocab_size
                 or len(out.scheduled) > self.runner.greedy_max_seqs):
@@ -216,7 +219,7 @@ class LLMEngine:
             if (s.num_new_tokens != 1 or not s.samples or not p.greedy
                     or p.repetition_penalty != 1.0 or p.logprobs is not None):
                 return 1
-        return self.scheduler.reserve_ahead(out, steps)
+        return sch.reserve_ahead(out, steps)
 
     def _run_greedy(self, out: SchedulerOutput, steps: int) -> list[dict[str, int]] | None:
         """The sampled tokens of `steps` greedy decode steps of the batch run in one call

@@ -436,3 +436,21 @@ def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_pat
     batch(four, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                  SamplingParams(max_tokens=12, temperature=0.8, seed=1)], prompts[:2])
     assert 0 < calls.count(4) < 40 // 4
+    # requests waiting for a running one to end (max_num_seqs) do not stop it; they are
+    # admitted after the call
+    two = [LLM(smollm_path, dtype="bfloat16",
+               scheduler=SchedulerConfig(max_num_seqs=2, decode_steps=s)) for s in (1, 4)]
+    runner = two[1].engine.runner
+    run_greedy = runner.execute_greedy
+    waited: list[int] = []
+
+    def while_waiting(batch: list[ScheduledRequest], steps: int) -> object:
+        out = run_greedy(batch, steps)
+        if out is not None and two[1].engine.scheduler.waiting:
+            waited.append(steps)
+        return out
+
+    runner.execute_greedy = while_waiting  # type: ignore[method-assign]
+    jobs = greedy + greedy[:1]
+    assert batch(two[1], jobs, prompts + prompts[:1]) == batch(two[0], jobs, prompts + prompts[:1])
+    assert waited and max(waited) == 4
