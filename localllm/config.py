@@ -170,7 +170,8 @@ class SchedulerConfig:
     max_model_len: int = 0  # 0: the model's context length
     enable_chunked_prefill: bool = True
     # greedy decode steps one call may run back to back where every running request decodes
-    # greedily, nothing waits and the backend has the path (the CPU's native stack); 1: one
+    # greedily, none waits for KV room and the backend has the path (the CPU's native stack)
+    # (`LLMEngine._greedy_steps`); 1: one
     decode_steps: int = 4
 
     def __post_init__(self) -> None:

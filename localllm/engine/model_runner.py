@@ -153,7 +153,7 @@ class ModelRunner:
         """Run `steps` greedy decode steps of a decode-only batch in one call (each request's
         block table must already hold its slots for all of them), or None where the backend
         has no such path or does not take this batch: then nothing was computed."""
-        if len(batch) > self.greedy_max_seqs or self._greedy is None:
+        if not self.greedy_max_seqs or self._greedy is None:  # builds the path once
             return None
         input_ids, positions, meta = self._prepare(batch)
         return self._greedy.run(input_ids, positions, self.kv_caches, meta, steps)

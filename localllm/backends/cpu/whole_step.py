@@ -97,31 +97,53 @@ def build_stack(layout: DecoderLayout) -> cpu_layers.DecoderStack | None:
     return None
 
 
+# what a native call takes besides the step's tokens: positions, slots, block tables, context
+# lengths, each layer's (K, V) pools, cos, sin
+StepArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
+
+
+class _Operands:
+    """The operands of a fast path's native calls over one stack: the decoding batch, the RoPE
+    tables and the K/V pools (one list while the caches stay the same, so that the stack keeps
+    its pointers)."""
+
+    def __init__(self, stack: cpu_layers.DecoderStack, layout: DecoderLayout) -> None:
+        self.stack, self.layout = stack, layout
+        self._pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pools_of: list[KVCache] | None = None  # the caches `_pools` was made from
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+                 meta: AttentionMetadata, ahead: int = 0) -> StepArgs | None:
+        """A decode-only step's `StepArgs`, the RoPE tables reaching `ahead` positions past
+        its last; None where the stack does not take the step (or the kernels do not run)."""
+        if input_ids.device.type != "cpu" or not cpu_native.available():
+            return None
+        batch = meta.plan(decode_batch)
+        if batch is None or batch.rows is not None or len(batch.seqs) > self.stack.max_rows:
+            return None
+        cos, sin = self.layout.rope.tables(max(meta.context_lens) + ahead, positions.device)
+        if self._pools_of is not caches or self._pools[0][0] is not caches[0].k:
+            self._pools, self._pools_of = [(c.k, c.v) for c in caches], caches
+        return (positions, meta.slot_mapping, batch.block_tables, batch.context_lens,
+                self._pools, cos, sin)
+
+
 def build(layout: DecoderLayout) -> WholeStep | None:
     """The whole-step fast path of the model `layout` describes, or None when it does not fit
     the native stack (or the kernels do not run here)."""
     stack = build_stack(layout)
     if stack is None:
         return None
-
-    pools: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pools_of: list[KVCache] | None = None  # the caches `pools` was made from (the same each step)
+    operands = _Operands(stack, layout)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
              meta: AttentionMetadata, head: bool = False) -> torch.Tensor | StepLogits | None:
         # input_ids, positions: [num_seqs] -> final hidden states [num_seqs, hidden], or with
         # head (and a stack that has one) the logits
-        if input_ids.device.type != "cpu" or not cpu_native.available():
+        args = operands(input_ids, positions, caches, meta)
+        if args is None:
             return None
-        batch = meta.plan(decode_batch)
-        if batch is None or batch.rows is not None or len(batch.seqs) > stack.max_rows:
-            return None
-        cos, sin = layout.rope.tables(max(meta.context_lens), positions.device)
-        nonlocal pools, pools_of
-        if pools_of is not caches or pools[0][0] is not caches[0].k:
-            pools, pools_of = [(c.k, c.v) for c in caches], caches
-        args = (positions, meta.slot_mapping, batch.block_tables, batch.context_lens, pools,
-                cos, sin)
         head = head and stack.head is not None
         if stack.embed is not None:  # the embedding rows looked up in the same call
             out = stack.run_tokens(input_ids, *args, head)
@@ -139,24 +161,15 @@ def build_greedy(layout: DecoderLayout) -> GreedySteps | None:
     stack = build_stack(layout)
     if stack is None or stack.head is None or stack.embed is None:
         return None
-    pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+    operands = _Operands(stack, layout)
 
     def steps(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
               meta: AttentionMetadata, n: int) -> StepTokens | None:
-        # input_ids, positions: [num_seqs], the first step's
-        if input_ids.device.type != "cpu" or not cpu_native.available():
+        # input_ids, positions: [num_seqs], the first step's; the last step's positions are
+        # n - 1 on
+        args = operands(input_ids, positions, caches, meta, n - 1)
+        if args is None:
             return None
-        batch = meta.plan(decode_batch)
-        if batch is None or batch.rows is not None or len(batch.seqs) > stack.max_rows:
-            return None
-        # the last step's positions: n - 1 on from the first's
-        cos, sin = layout.rope.tables(max(meta.context_lens) + n - 1, positions.device)
-        nonlocal pools
-        if not pools or pools[0][0] is not caches[0].k:
-            pools = [(c.k, c.v) for c in caches]
-        best, best_logit = stack.run_greedy(input_ids, positions, meta.slot_mapping,
-                                            batch.block_tables, batch.context_lens, pools, cos,
-                                            sin, n)
-        return StepTokens(best, best_logit)
+        return StepTokens(*stack.run_greedy(input_ids, *args, n))
 
     return GreedySteps(steps, stack.max_rows)
