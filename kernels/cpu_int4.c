@@ -49,7 +49,8 @@ int int4_amx_enable(int on) {
  * group size. */
 static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form, int amx) {
+              int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form, int amx,
+              int64_t *claim) {
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
@@ -59,7 +60,7 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     if (amx && gs == GROUP && !lut)
         int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
     else
-        int4_mm_avx512(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, gs, lut);
+        int4_mm_avx512(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, gs, lut, claim);
     if (xsum != room) free(xsum);
     return 0;
 }
@@ -68,7 +69,15 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled && M >= AMX_MIN_ROWS);
+              amx_enabled && M >= AMX_MIN_ROWS, NULL);
+}
+
+int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
+                   int64_t *claim) {
+    return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
+              amx_enabled && M >= AMX_MIN_ROWS, claim);
 }
 
 /* tiles wherever permitted, whatever `amx_enabled` says (which is about decoding rows, whose
@@ -77,5 +86,5 @@ int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_permitted);
+              amx_permitted, NULL);
 }

@@ -123,7 +123,8 @@ static inline __attribute__((always_inline)) void tile_column(
 }
 
 /* ---- the two paths of int4_mm (cpu_int4.c chooses): sz as `scales_of` makes it; xsum:
- * fp32 [M][groups], the sum of x over each group of columns; y: bf16 [M][ldy], N written.
+ * fp32 [M][groups], the sum of x over each group of columns; y: bf16 [M][ldy], N written;
+ * claim: NULL or the team's work ranges for this call (share_next in cpu_team.h).
  * Hidden: they are not part of the library's exported API (cpu_kernels.h). */
 #define INT4_INTERNAL __attribute__((visibility("hidden")))
 
@@ -131,13 +132,15 @@ static inline __attribute__((always_inline)) void tile_column(
 INT4_INTERNAL void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                   const uint8_t *packed, const Scales *sz, int64_t N,
                                   int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-                                  int64_t ldy, int64_t gs, const uint16_t *lut);
+                                  int64_t ldy, int64_t gs, const uint16_t *lut,
+                                  int64_t *claim);
 
 /* AVX-512 BF16, a grouped int8 weight with fp16 scales (two planes, `half`; no codebook):
  * both planes in one product per weight (cpu_int4_u8.c) */
 INT4_INTERNAL void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                               const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
-                              const float *xsum, uint16_t *y, int64_t ldy, int64_t gs);
+                              const float *xsum, uint16_t *y, int64_t ldy, int64_t gs,
+                              int64_t *claim);
 
 /* AMX tiles, groups of GROUP columns without a codebook; the caller holds the OS's
  * permission (int4_gemm_ready) (cpu_int4_amx.c) */

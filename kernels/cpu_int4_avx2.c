@@ -140,32 +140,37 @@ static inline __attribute__((always_inline)) void tile8(
     }
 }
 
-/* Thread id's share of nth of the tiles (int4_mm's operands). NOTE: the group size and
- * codebook switch inside the loop, so that each inlined copy of tile8 is compiled with them as
- * constants; one copy of the loop for both of int4_mm's paths (with a copy in each, decode
- * ran 13% slower: in-process A/B, 12 pairs). */
+/* Thread id's tiles among nth (int4_mm's operands): its share, then what it takes of the
+ * others' (share_next in cpu_team.h with the team's `ranges`; NULL: its share). NOTE: the group size and codebook switch inside the loop,
+ * so that each inlined copy of tile8 is compiled with them as constants; one copy of the loop
+ * for both of int4_mm's paths (with a copy in each, decode ran 13% slower: in-process A/B, 12
+ * pairs). */
 static __attribute__((noinline)) void tile_share8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, int64_t gs, const uint16_t *lut, __m256 lut0, __m256 lut1, int64_t nth,
-    int64_t id) {
-    const int64_t tiles = n_pad / TILE, t_end = tiles * (id + 1) / nth;
-    for (int64_t t = tiles * id / nth; t < t_end; t++) {
-        if (gs == 32 && !lut)
-            tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
-        else if (gs == 16 && !lut)
-            tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
-        else if (gs == 32)
-            tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
-        else
-            tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
+    int64_t ldy, int64_t gs, const uint16_t *lut, __m256 lut0, __m256 lut1, int64_t *ranges,
+    int64_t nth, int64_t id) {
+    Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
+    int64_t t0, t1;
+    while (share_next(&share, &t0, &t1)) {
+        for (int64_t t = t0; t < t1; t++) {
+            if (gs == 32 && !lut)
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
+            else if (gs == 16 && !lut)
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
+            else if (gs == 32)
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
+            else
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
+        }
     }
 }
 
-/* int4_mm of cpu_kernels.h */
-int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-            const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
-            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
+/* int4_mm_shared of cpu_kernels.h */
+int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                   const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
+                   int64_t *claim) {
     if (gs != 32 && gs != 16) return -2;
     const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
@@ -178,10 +183,19 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     }
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
+    SHARE_OWN(own);
+    int64_t *ranges = share_ranges(claim, own);
     TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs,
-                                  lut, lut0, lut1, nth, id));
+                                  lut, lut0, lut1, ranges, nth, id));
     if (xsum != room) free(xsum);
     return 0;
+}
+
+int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+            const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+            int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
+    return int4_mm_shared(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut,
+                          scales_form, NULL);
 }
 
 /* no AMX in this build: prompts take int4_mm (or int4_dequant_t and PyTorch's matmul) */

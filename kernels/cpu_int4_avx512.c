@@ -119,26 +119,14 @@ static inline __attribute__((always_inline)) void tile_unit(
     }
 }
 
-/* Thread id's share of nth of the tiles for the M rows of x, groups of GS columns (operands of
- * int4_mm_avx512). */
-static inline __attribute__((always_inline)) void tile_share(
+/* Half tiles u0 .. u1 - 1 (half tile u: rows 32 (u % 2) .. + 31 of tile u / 2) for the M rows
+ * of x, groups of GS columns (operands of int4_mm_avx512): whole tiles where both halves are
+ * in the range, `step` at a time */
+static inline __attribute__((always_inline)) void tile_range(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo, int64_t nth,
-    int64_t id) {
-    const int64_t tiles = n_pad / TILE;
-    /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency);
-     * more rows: one tile at a time, rows eight (then four, two, one) at a time. Each thread
-     * takes an equal share (pairs of tiles as the unit of a static schedule gave 9 tiles on 2
-     * threads as 6 and 3) */
-    const int64_t step = M == 1 ? 2 : 1;
-    /* more than one row of x: shares of half tiles, so that where the tiles do not split
-     * evenly (9 tiles on 2 threads: 4.5 and 4.5, not 4 and 5) a tile's two halves go to two
-     * threads (both read its bytes; each sums its rows). One row reads more than it computes:
-     * whole tiles (a half tile of one row has only two independent sums, and both threads
-     * would read it) */
-    const int64_t units = M == 1 ? tiles : 2 * tiles, per = M == 1 ? 2 : 1;
-    const int64_t u0 = units * id / nth * per, u1 = units * (id + 1) / nth * per;
+    const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
+    const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo, int64_t u0, int64_t u1,
+    int64_t step) {
     const int64_t t_end = u1 / 2;
     if (u0 % 2 && u0 < u1)
         tile_unit(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, u0 / 2, 1, 1, GS, USE_LUT, lut,
@@ -151,20 +139,46 @@ static inline __attribute__((always_inline)) void tile_share(
                   lut_lo);
 }
 
+/* Thread id's tiles among nth for the M rows of x (operands of int4_mm_avx512): its share,
+ * then what it takes of the others' (share_next with the team's `ranges`; NULL: its share). */
+static inline __attribute__((always_inline)) void tile_share(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo,
+    int64_t *ranges, int64_t nth, int64_t id) {
+    const int64_t tiles = n_pad / TILE;
+    /* one row of x: tiles go two at a time (independent sums hide vdpbf16ps's latency), and
+     * are shared out two at a time; more rows: one tile at a time, rows eight (then four,
+     * two, one) at a time, shared out in half tiles, so that where the tiles do not split
+     * evenly (9 tiles on 2 threads: 4.5 and 4.5, not 4 and 5) a tile's two halves go to two
+     * threads (both read its bytes; each sums its rows). One row reads more than it computes:
+     * whole tiles (a half tile of one row has only two independent sums, and both threads
+     * would read it) */
+    const int64_t step = M == 1 ? 2 : 1, per = M == 1 ? 2 : 1; /* half tiles a unit */
+    Share share = share_of(ranges, M == 1 ? tiles : 2 * tiles, 2, nth, id);
+    int64_t u0, u1;
+    while (share_next(&share, &u0, &u1))
+        tile_range(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, GS, USE_LUT, lut, lut_lo,
+                   u0 * per, u1 * per, step);
+}
+
 /* All tiles, shared by the calling team (cpu_team.h) or by a team of their own */
 static inline __attribute__((always_inline)) void tile_loop(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo) {
+    int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo,
+    int64_t *claim) {
+    SHARE_OWN(own);
+    int64_t *ranges = share_ranges(claim, own);
     TEAM_RUN(nth, id, tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS,
-                                 USE_LUT, lut, lut_lo, nth, id));
+                                 USE_LUT, lut, lut_lo, ranges, nth, id));
 }
 
 void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
-                    uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut) {
+                    uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut, int64_t *claim) {
     if (sz->planes == 2 && sz->half && !lut) {
-        int4_mm_u8(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, gs);
+        int4_mm_u8(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, gs, claim);
         return;
     }
     const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
@@ -173,15 +187,21 @@ void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const 
     const int terms = !lut ? 0
                       : _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) ? 2 : 1;
     if (gs == 32 && terms == 0)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo,
+                  claim);
     else if (gs == 16 && terms == 0)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv, lutlo,
+                  claim);
     else if (gs == 32 && terms == 1)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv, lutlo,
+                  claim);
     else if (gs == 16 && terms == 1)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv, lutlo,
+                  claim);
     else if (gs == 32)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 2, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 2, lutv, lutlo,
+                  claim);
     else
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 2, lutv, lutlo);
+        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 2, lutv, lutlo,
+                  claim);
 }

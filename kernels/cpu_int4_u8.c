@@ -159,16 +159,14 @@ static inline __attribute__((always_inline)) void tile_u(
     }
 }
 
-/* Thread id's share of nth of the tiles for the M rows of x, groups of GS columns (operands
- * of int4_mm_u8) */
-static inline __attribute__((always_inline)) void tile_share_u(
+/* Tiles t0 .. t1 - 1 for the M rows of x, groups of GS columns (operands of int4_mm_u8) */
+static inline __attribute__((always_inline)) void tile_range_u(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
-    const int GS, int64_t nth, int64_t id) {
-    const int64_t tiles = n_pad / TILE, groups = 2 * K / GS, tile_bytes = 2 * K * 32;
+    const Scales *sz, int64_t N, const float *xsum, uint16_t *y, int64_t ldy, const int GS,
+    int64_t t0, int64_t t_end) {
+    const int64_t groups = 2 * K / GS, tile_bytes = 2 * K * 32;
     float out[8 * TILE];
-    const int64_t t_end = tiles * (id + 1) / nth;
-    for (int64_t t = tiles * id / nth; t < t_end && M == 1; t += 2) {
+    for (int64_t t = t0; t < t_end && M == 1; t += 2) {
         /* one row: tiles two at a time (8 independent sums hide the products' latency) */
         const int64_t nt = t_end - t < 2 ? t_end - t : 2;
         if (nt == 2)
@@ -183,7 +181,7 @@ static inline __attribute__((always_inline)) void tile_share_u(
                 store_floats_bf16(out + i * TILE + r, y + n0 + r, rows - r);
         }
     }
-    for (int64_t t = tiles * id / nth; t < t_end && M > 1; t++) {
+    for (int64_t t = t0; t < t_end && M > 1; t++) {
         const uint8_t *tile = packed + t * tile_bytes;
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
         for (int64_t m = 0; m < M;) {
@@ -206,20 +204,35 @@ static inline __attribute__((always_inline)) void tile_share_u(
     }
 }
 
+/* Thread id's tiles among nth (operands of int4_mm_u8): its share, then what it takes of the
+ * others' (share_next with the team's `ranges`; NULL: its share); one row of x two tiles at a
+ * time, more rows tile by tile */
+static inline __attribute__((always_inline)) void tile_share_u(
+    const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+    const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
+    const int GS, int64_t *ranges, int64_t nth, int64_t id) {
+    Share share = share_of(ranges, n_pad / TILE, M == 1 ? 2 : 1, nth, id);
+    int64_t t0, t1;
+    while (share_next(&share, &t0, &t1))
+        tile_range_u(x, M, K, ldx, packed, sz, N, xsum, y, ldy, GS, t0, t1);
+}
+
 /* All tiles, shared by the calling team (cpu_team.h) or by a team of their own */
 static inline __attribute__((always_inline)) void tile_loop_u(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
-    const int GS) {
-    TEAM_RUN(nth, id,
-             tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, nth, id));
+    const int GS, int64_t *claim) {
+    SHARE_OWN(own);
+    int64_t *ranges = share_ranges(claim, own);
+    TEAM_RUN(nth, id, tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, ranges,
+                                   nth, id));
 }
 
 void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                 const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y,
-                int64_t ldy, int64_t gs) {
+                int64_t ldy, int64_t gs, int64_t *claim) {
     if (gs == 32)
-        tile_loop_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, 32);
+        tile_loop_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, 32, claim);
     else
-        tile_loop_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, 16);
+        tile_loop_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, 16, claim);
 }

@@ -21,6 +21,7 @@
 #include "cpu_int4.h"
 #include "cpu_int8_rows.h"
 #include "cpu_kernels.h"
+#include "cpu_team.h"
 
 #define GS 32
 #define SELECT 0xE4 /* vpternlogd: c ? a : b, bit by bit, for (a, b, c) */
@@ -252,60 +253,68 @@ static void pair_rows4(PART_ARGS, int64_t tile_bytes, int64_t p0, int64_t passes
     }
 }
 
+/* Tiles t0 .. t_end - 1 for the M rows of x (v, sx, corr: logits_rows' rounding) -> y: one
+ * row two tiles at a time; 4 rows and more: tile pairs, 4 rows a pass (then the rest, and a
+ * last unpaired tile, one tile at a time: 8, 4, 2 or 1 rows) */
+static void tile_range(const uint8_t *packed, const uint16_t *scales, int64_t N, int64_t n_pad,
+                       int64_t K, int64_t M, const int16_t *v, const float *sx,
+                       const int32_t *corr, float *y, int64_t ldy, int64_t t0, int64_t t_end) {
+    const int64_t groups = K / GS, tile_bytes = 2 * K * 32;
+    const int64_t step = M == 1 || M >= 4 ? 2 : 1;
+    const int64_t quads = M / 4, passes = 2 * quads; /* a pair's passes of 4 rows */
+    float out[8 * TILE];
+    for (int64_t t = t0; t < t_end; t += step) {
+        const int64_t nt = t_end - t < step ? t_end - t : step;
+        const uint8_t *tile = packed + t * tile_bytes;
+        for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m;
+            const int pair4 = nt == 2 && M >= 4 && left >= 4;
+            const int64_t mr = M == 1 ? 1 : pair4 ? 4
+                               : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const int64_t cover = pair4 || M == 1 ? nt : 1; /* tiles in out at once */
+            for (int64_t i = 0; i < nt; i += cover) {
+                const uint8_t *ti = tile + i * tile_bytes;
+                const int64_t row0 = (t + i) * TILE;
+                if (M == 1 && nt == 2) {
+                    tiles2_row1(ti, tile_bytes, scales, n_pad, row0, K, v, sx, corr, out);
+                } else if (pair4) {
+                    pair_rows4(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
+                               corr + m * groups, out, tile_bytes, m / 4 * 2, passes);
+                } else {
+                    tile_rows(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
+                              corr + m * groups, out, mr);
+                }
+                for (int64_t c = 0; c < cover; c++) {
+                    const int64_t n0 = (t + i + c) * TILE;
+                    const int64_t rows = N - n0 < TILE ? N - n0 : TILE;
+                    for (int64_t j = 0; j < mr; j++)
+                        for (int64_t r = 0; r < rows; r += 16)
+                            _mm512_mask_storeu_ps(
+                                y + (m + j) * ldy + n0 + r,
+                                rows - r >= 16 ? 0xFFFF : (1u << (rows - r)) - 1,
+                                _mm512_loadu_ps(out + (c * mr + j) * TILE + r));
+                }
+            }
+            m += mr;
+        }
+    }
+}
+
 int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                 const uint16_t *scales, int64_t N, int64_t n_pad, float *y, int64_t ldy) {
     RoundedRows rr;
     const int rc = logits_rows(x, M, K, ldx, n_pad, &rr);
     if (rc) return rc;
-    const int64_t groups = K / GS;
-    const int16_t *v = rr.v;
-    const float *sx = rr.sx;
-    const int32_t *corr = rr.corr;
-    const int64_t tiles = n_pad / TILE, tile_bytes = 2 * K * 32;
+    const int64_t tiles = n_pad / TILE;
+    SHARE_OWN(own); /* the tiles shared out over the threads (share_next, cpu_team.h) */
+    int64_t *ranges = share_ranges(NULL, own);
 #pragma omp parallel
     {
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t t_end = tiles * (id + 1) / nth;
-        float out[8 * TILE];
-        /* one row: tiles two at a time; 4 rows and more: tile pairs, 4 rows a pass (then the
-         * rest, and a last unpaired tile, one tile at a time: 8, 4, 2 or 1 rows) */
-        const int64_t step = M == 1 || M >= 4 ? 2 : 1;
-        const int64_t quads = M / 4, passes = 2 * quads; /* a pair's passes of 4 rows */
-        for (int64_t t = tiles * id / nth; t < t_end; t += step) {
-            const int64_t nt = t_end - t < step ? t_end - t : step;
-            const uint8_t *tile = packed + t * tile_bytes;
-            for (int64_t m = 0; m < M;) {
-                const int64_t left = M - m;
-                const int pair4 = nt == 2 && M >= 4 && left >= 4;
-                const int64_t mr = M == 1 ? 1 : pair4 ? 4
-                                   : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                const int64_t cover = pair4 || M == 1 ? nt : 1; /* tiles in out at once */
-                for (int64_t i = 0; i < nt; i += cover) {
-                    const uint8_t *ti = tile + i * tile_bytes;
-                    const int64_t row0 = (t + i) * TILE;
-                    if (M == 1 && nt == 2) {
-                        tiles2_row1(ti, tile_bytes, scales, n_pad, row0, K, v, sx, corr, out);
-                    } else if (pair4) {
-                        pair_rows4(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
-                                   corr + m * groups, out, tile_bytes, m / 4 * 2, passes);
-                    } else {
-                        tile_rows(ti, scales, n_pad, row0, K, v + m * K, sx + m * groups,
-                                  corr + m * groups, out, mr);
-                    }
-                    for (int64_t c = 0; c < cover; c++) {
-                        const int64_t n0 = (t + i + c) * TILE;
-                        const int64_t rows = N - n0 < TILE ? N - n0 : TILE;
-                        for (int64_t j = 0; j < mr; j++)
-                            for (int64_t r = 0; r < rows; r += 16)
-                                _mm512_mask_storeu_ps(
-                                    y + (m + j) * ldy + n0 + r,
-                                    rows - r >= 16 ? 0xFFFF : (1u << (rows - r)) - 1,
-                                    _mm512_loadu_ps(out + (c * mr + j) * TILE + r));
-                    }
-                }
-                m += mr;
-            }
-        }
+        Share share = share_of(ranges, tiles, M == 1 || M >= 4 ? 2 : 1, omp_get_num_threads(),
+                               omp_get_thread_num());
+        int64_t t0, t1;
+        while (share_next(&share, &t0, &t1))
+            tile_range(packed, scales, N, n_pad, K, M, rr.v, rr.sx, rr.corr, y, ldy, t0, t1);
     }
     free_rows(&rr);
     return 0;

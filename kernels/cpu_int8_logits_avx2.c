@@ -19,6 +19,7 @@
 #include "cpu_int4_groups.h"
 #include "cpu_int8_rows.h"
 #include "cpu_kernels.h"
+#include "cpu_team.h"
 
 #define TILE 64
 #define GS INT8_GROUP
@@ -127,28 +128,35 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
     if (rc) return rc;
     const int64_t groups = K / GS;
     const int64_t tiles = n_pad / TILE, tile_bytes = 2 * K * 32;
+    SHARE_OWN(own); /* the tiles shared out over the threads (share_next, cpu_team.h) */
+    int64_t *ranges = share_ranges(NULL, own);
 #pragma omp parallel
     {
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        Share share = share_of(ranges, tiles, 1, omp_get_num_threads(), omp_get_thread_num());
         float out[2 * TILE];
-        for (int64_t t = tiles * id / nth; t < tiles * (id + 1) / nth; t++) {
-            const uint8_t *tile = packed + t * tile_bytes;
-            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-            for (int64_t m = 0; m < M; m += 2) { /* rows of x two at a time */
-                const int64_t mr = M - m >= 2 ? 2 : 1;
-                const int16_t *vm = rr.v + m * K;
-                const float *sm = rr.sx + m * groups;
-                const int32_t *cm = rr.corr + m * groups;
-                for (int i = 0; i < 2 * TILE; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-                if (mr == 2) {
-                    rows2_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
-                    rows2_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
-                } else {
-                    rows1_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
-                    rows1_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+        int64_t t0, t1;
+        while (share_next(&share, &t0, &t1)) {
+            for (int64_t t = t0; t < t1; t++) {
+                const uint8_t *tile = packed + t * tile_bytes;
+                const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t m = 0; m < M; m += 2) { /* rows of x two at a time */
+                    const int64_t mr = M - m >= 2 ? 2 : 1;
+                    const int16_t *vm = rr.v + m * K;
+                    const float *sm = rr.sx + m * groups;
+                    const int32_t *cm = rr.corr + m * groups;
+                    for (int i = 0; i < 2 * TILE; i += 8)
+                        _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+                    if (mr == 2) {
+                        rows2_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                        rows2_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                    } else {
+                        rows1_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                        rows1_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
+                    }
+                    for (int64_t j = 0; j < mr; j++)
+                        for (int64_t r = 0; r < rows; r++)
+                            y[(m + j) * ldy + n0 + r] = out[j * TILE + r];
                 }
-                for (int64_t j = 0; j < mr; j++)
-                    for (int64_t r = 0; r < rows; r++) y[(m + j) * ldy + n0 + r] = out[j * TILE + r];
             }
         }
     }

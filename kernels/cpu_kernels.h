@@ -18,6 +18,14 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form);
 
+/* int4_mm called by every thread of a team (decode_layers'), its tiles shared out through
+ * `claim`: the call's work ranges (cpu_team.h's share_next), SHARE_LINE int64 for each thread
+ * the team can have, zeroed before the call, one set per call */
+int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
+                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
+                   int64_t *claim);
+
 /* int4_mm on AMX tiles for a prompt's rows, whatever int4_amx_enable says (groups of 32
  * without a codebook; other weights take the AVX-512 path). Call int4_gemm_ready first. */
 int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,

@@ -22,11 +22,17 @@
 
 #include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
+#include "cpu_team.h"
 
-static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y) {
+/* claim: the call's work ranges, shared by the team (int4_mm_shared) */
+static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y,
+                  int64_t *claim) {
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */
-    return int4_mm(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded, w->planes, y,
-                   w->out_features, w->group_size, w->lut, w->scales_form) ? -2 : 0;
+    return int4_mm_shared(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded,
+                          w->planes, y, w->out_features, w->group_size, w->lut, w->scales_form,
+                          claim)
+               ? -2
+               : 0;
 }
 
 /* fp32 -> bf16 to nearest, ties to even; NaN to the quiet NaN (PyTorch's rounding) */
@@ -96,7 +102,16 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
     if (n_layers < 1) return -1;
     if (embed && embed_rows(embed, M, H, x)) return -3;
     uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
-    if (!buf) return -2;
+    /* each matmul's work ranges (cpu_team.h's share_next): 4 a layer, a line per thread */
+    const int64_t claim_stride = omp_get_max_threads() * SHARE_LINE;
+    const size_t claim_bytes = sizeof(int64_t) * (size_t)(4 * n_layers * claim_stride);
+    int64_t *claims = aligned_alloc(64, claim_bytes);
+    if (!buf || !claims) {
+        free(buf);
+        free(claims);
+        return -2;
+    }
+    memset(claims, 0, claim_bytes);
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
     uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
     int rc = 0; /* shared: set by the threads that found an error, read by all after a barrier */
@@ -113,12 +128,13 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
 #pragma omp parallel if (team)
     for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = &layers[l];
+        int64_t *claim = claims + 4 * claim_stride * l;
         int r;
         if (l == 0)
             rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
         else
             rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->qkv, h, M, H, qkv))) {
+        if ((r = matmul(&L->qkv, h, M, H, qkv, claim))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
@@ -135,23 +151,24 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
         if ((r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
                                   ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
                                   d->scale, att, q_w)) ||
-            (r = matmul(&L->o, att, M, q_w, y))) {
+            (r = matmul(&L->o, att, M, q_w, y, claim + claim_stride))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
         rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->gate_up, h, M, H, gu))) {
+        if ((r = matmul(&L->gate_up, h, M, H, gu, claim + 2 * claim_stride))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
         silu_mul(gu, 2 * inter, M, inter, act, inter);
-        if ((r = matmul(&L->down, act, M, inter, y))) {
+        if ((r = matmul(&L->down, act, M, inter, y, claim + 3 * claim_stride))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
     free(buf);
+    free(claims);
     if (!rc && head) {
         const PackedWeight *w = &head->w;
         const int64_t n = w->out_features;

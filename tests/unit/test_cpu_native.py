@@ -107,6 +107,26 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
             bf16_close(alone, batched[i])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernels_give_the_same_bits_however_the_threads_share_the_tiles(rows: int) -> None:
+    # each thread takes its own share and then steals from the others' (cpu_team.h's
+    # share_next): which thread computes which tiles changes from call to call (a worker wakes
+    # later than the caller, the cores run at different speeds), the results may not
+    w = packed(2048, 256, 1)  # 32 tiles: chunks of several tiles to claim and to steal
+    head = packed(2048, 256, 2, offsets=False)  # the Q8_0 head's layout (int8_logits)
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)) * 2).bfloat16()
+    first = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 2048, 1)
+    bf16_close(first, cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 2048, 1),
+               atol=1e-5 * float(first.float().abs().max()))
+    logits = cpu_int4.int8_logits(x, head.packed, head.scales_zeros, 2048)
+    ref = cpu_int4.int8_logits_ref(x, head.packed, head.scales_zeros, 2048)
+    torch.testing.assert_close(logits, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    for _ in range(30):
+        assert torch.equal(cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 2048, 1), first)
+        assert torch.equal(cpu_int4.int8_logits(x, head.packed, head.scales_zeros, 2048),
+                           logits)
+
+
 def test_int4_mm_refuses_mismatched_operands() -> None:
     w = packed(64, 128, 1)
     with pytest.raises(ValueError, match="int4_mm: bad operands"):
