@@ -24,15 +24,26 @@
 #include "cpu_kernels.h"
 #include "cpu_team.h"
 
-/* claim: the call's work ranges, shared by the team (int4_mm_shared) */
+/* The work ranges of a step's matmuls (int4_mm_shared; cpu_team.h's share_next), a line for
+ * each thread the team can have: two sets, each matmul taking the one the matmul before it did
+ * not. After a matmul, its team's barrier passed, thread 0 zeroes its set for the matmul after
+ * next, which no thread begins before thread 0 has reached the next matmul's barrier. */
+typedef struct {
+    int64_t *sets, stride;
+} Claims;
+
+/* y = x W^T, the step's matmul number i */
 static int matmul(const PackedWeight *w, const uint16_t *x, int64_t m, int64_t k, uint16_t *y,
-                  int64_t *claim) {
+                  const Claims *c, int64_t i) {
+    int64_t *set = c->sets + i % 2 * c->stride;
     /* int4_mm fails only when out of memory (group sizes are checked in Python) */
-    return int4_mm_shared(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded,
-                          w->planes, y, w->out_features, w->group_size, w->lut, w->scales_form,
-                          claim)
-               ? -2
-               : 0;
+    const int rc = int4_mm_shared(x, m, k, k, w->packed, w->sz, w->out_features, w->out_padded,
+                                  w->planes, y, w->out_features, w->group_size, w->lut,
+                                  w->scales_form, set)
+                       ? -2
+                       : 0;
+    if (omp_get_thread_num() == 0) memset(set, 0, sizeof(int64_t) * (size_t)c->stride);
+    return rc;
 }
 
 /* fp32 -> bf16 to nearest, ties to even; NaN to the quiet NaN (PyTorch's rounding) */
@@ -102,16 +113,14 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
     if (n_layers < 1) return -1;
     if (embed && embed_rows(embed, M, H, x)) return -3;
     uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
-    /* each matmul's work ranges (cpu_team.h's share_next): 4 a layer, a line per thread */
-    const int64_t claim_stride = omp_get_max_threads() * SHARE_LINE;
-    const size_t claim_bytes = sizeof(int64_t) * (size_t)(4 * n_layers * claim_stride);
-    int64_t *claims = aligned_alloc(64, claim_bytes);
-    if (!buf || !claims) {
+    const int64_t stride = omp_get_max_threads() * SHARE_LINE;
+    const Claims claims = {aligned_alloc(64, sizeof(int64_t) * (size_t)(2 * stride)), stride};
+    if (!buf || !claims.sets) {
         free(buf);
-        free(claims);
+        free(claims.sets);
         return -2;
     }
-    memset(claims, 0, claim_bytes);
+    memset(claims.sets, 0, sizeof(int64_t) * (size_t)(2 * stride));
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
     uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
     int rc = 0; /* shared: set by the threads that found an error, read by all after a barrier */
@@ -128,13 +137,12 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
 #pragma omp parallel if (team)
     for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = &layers[l];
-        int64_t *claim = claims + 4 * claim_stride * l;
         int r;
         if (l == 0)
             rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
         else
             rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->qkv, h, M, H, qkv, claim))) {
+        if ((r = matmul(&L->qkv, h, M, H, qkv, &claims, 4 * l))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
@@ -151,24 +159,24 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
         if ((r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
                                   ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
                                   d->scale, att, q_w)) ||
-            (r = matmul(&L->o, att, M, q_w, y, claim + claim_stride))) {
+            (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
         rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->gate_up, h, M, H, gu, claim + 2 * claim_stride))) {
+        if ((r = matmul(&L->gate_up, h, M, H, gu, &claims, 4 * l + 2))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
         silu_mul(gu, 2 * inter, M, inter, act, inter);
-        if ((r = matmul(&L->down, act, M, inter, y, claim + 3 * claim_stride))) {
+        if ((r = matmul(&L->down, act, M, inter, y, &claims, 4 * l + 3))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
     free(buf);
-    free(claims);
+    free(claims.sets);
     if (!rc && head) {
         const PackedWeight *w = &head->w;
         const int64_t n = w->out_features;
