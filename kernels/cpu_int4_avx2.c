@@ -141,10 +141,10 @@ static inline __attribute__((always_inline)) void tile8(
 }
 
 /* Thread id's tiles among nth (int4_mm's operands): its share, then what it takes of the
- * others' (share_next in cpu_team.h with the team's `ranges`; NULL: its share). NOTE: the group size and codebook switch inside the loop,
- * so that each inlined copy of tile8 is compiled with them as constants; one copy of the loop
- * for both of int4_mm's paths (with a copy in each, decode ran 13% slower: in-process A/B, 12
- * pairs). */
+ * others' (share_next in cpu_team.h with the team's `ranges`; NULL: its share). NOTE: the
+ * group size and codebook switch inside the loop, so that each inlined copy of tile8 is
+ * compiled with them as constants; one copy of the loop for both of int4_mm's paths (with a
+ * copy in each, decode ran 13% slower: in-process A/B, 12 pairs). */
 static __attribute__((noinline)) void tile_share8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
