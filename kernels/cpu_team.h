@@ -69,8 +69,8 @@ static inline int in_team(void) { return omp_in_parallel(); }
  * that computes it: the kernels compute each tile alike whatever their share.
  *
  * The shares' state (`ranges`): one int64 a thread, SHARE_LINE apart (a cache line each), zero
- * before the kernel (a fresh set per call), (front + 1) << 32 | back once read; NULL: fixed
- * shares only. */
+ * before each call of the kernel (once every thread is past the call before: its barrier),
+ * (front + 1) << 32 | back once read; NULL: fixed shares only. */
 #define SHARE_LINE 8
 #define SHARE_MAX 256 /* threads a kernel's own set of ranges covers (share_ranges) */
 
