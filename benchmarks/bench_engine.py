@@ -8,8 +8,9 @@ Decode: aggregate tokens/s of --sessions concurrent greedy streams vs one stream
 tokens sampled after every stream has its first token (so prefill is left out), in one run.
 Target: >= 4x. Prefix: time to first token of a prompt whose ~--prefix-tokens prefix is in the
 KV cache (a follow-up turn: same prefix, new last line) vs the same prompt cold. Target: >= 10x.
---profile: time one decode step split into the model's layers, the logits, sampling,
-`ModelRunner._prepare` and the rest, at 1 and at --sessions sequences (in the loading thread,
+--profile: time one decode step split into the model's layers (with the LM head where greedy
+steps run several to a call), the logits, sampling, `ModelRunner._prepare` and the rest, at 1
+and at --sessions sequences (in the loading thread,
 with --threads torch threads), in wall time and in the calling thread's CPU time (`cpu_*`: on
 a shared machine it leaves out the time the thread waited for a core).
 --no-prefix: skip the TTFT rounds (decode figures only).
@@ -94,26 +95,34 @@ def ttft(engine: AsyncLLMEngine, ids: list[int]) -> float:
     return asyncio.run(run())
 
 
-def timed(fn: Callable[..., Any], acc: list[float], cpu: list[float]) -> Callable[..., Any]:
+def timed(fn: Callable[..., Any], acc: list[float], cpu: list[float],
+          less: tuple[list[float], list[float]] | None = None) -> Callable[..., Any]:
     """fn, appending each call's wall time to `acc` and the calling thread's CPU time to
-    `cpu`."""
+    `cpu`, less what other timed calls inside it added to the lists `less` (wall, CPU)."""
     def wrapper(*a: Any) -> Any:
+        inner = (sum(less[0]), sum(less[1])) if less else (0.0, 0.0)
         t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*a)
         finally:
-            acc.append(time.perf_counter() - t)
-            cpu.append(time.thread_time() - c)
+            wall, own = time.perf_counter() - t, time.thread_time() - c
+            if less:
+                wall -= sum(less[0]) - inner[0]
+                own -= sum(less[1]) - inner[1]
+            acc.append(wall)
+            cpu.append(own)
     return wrapper
 
 
 def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, float]:
     """ms per decode step at batch 1 and batch len(prompts): the model (`ModelRunner._step`:
     one native call a step where the backend's whole-step path runs: the projections,
-    attention and norms of every layer, and the LM head where that path has it), the logits
-    (`ModelRunner.logits`: the LM head where the model's step did not run it), sampling,
-    `ModelRunner._prepare`, and the rest (scheduler, detokenization, Python); each also as
-    this thread's CPU time (`cpu_` names)."""
+    attention and norms of every layer, and the LM head where that path has it; and
+    `ModelRunner.execute_greedy`, where greedy steps run several to a call: those steps'
+    layers and LM head), the logits (`ModelRunner.logits`: the LM head where the model's step
+    did not run it), sampling, `ModelRunner._prepare`, and the rest (scheduler,
+    detokenization, Python); each also as this thread's CPU time (`cpu_` names). A step is a
+    decode step (`EngineStats.steps`), however many of them a call ran."""
     eng = llm.engine
     runner = eng.runner
     res: dict[str, float] = {}
@@ -123,6 +132,7 @@ def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, 
         parts: dict[str, list[float]] = {k: [] for k in names}
         cpu: dict[str, list[float]] = {k: [] for k in names}
         fwd, logits, prepare, sampler = runner._step, runner.logits, runner._prepare, eng.sampler
+        greedy = runner.execute_greedy
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for p in prompts[:n]:
             eng.add_request(p, params)
@@ -132,13 +142,17 @@ def profile_step(llm: LLM, prompts: list[list[int]], threads: int) -> dict[str, 
         runner.logits = timed(logits, parts["logits"], cpu["logits"])  # type: ignore[method-assign]
         runner._prepare = timed(  # type: ignore[method-assign]
             prepare, parts["prepare"], cpu["prepare"])
+        # its inputs' _prepare counts as `prepare`: the model is the call less that
+        runner.execute_greedy = timed(  # type: ignore[method-assign]
+            greedy, parts["model"], cpu["model"], (parts["prepare"], cpu["prepare"]))
         eng.sampler = timed(sampler, parts["sample"], cpu["sample"])  # type: ignore[assignment]
-        steps = 16
+        calls, before = 16, eng.stats.steps
         t, c = time.perf_counter(), time.thread_time()
-        for _ in range(steps):
+        for _ in range(calls):
             eng.step()
+        steps = eng.stats.steps - before
         total, total_cpu = (time.perf_counter() - t) / steps, (time.thread_time() - c) / steps
-        del runner._step, runner.logits, runner._prepare
+        del runner._step, runner.logits, runner._prepare, runner.execute_greedy
         eng.sampler = sampler
         while eng.has_unfinished():
             eng.step()
