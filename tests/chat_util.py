@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pexpect
+from serve_util import interruptible
 
 STORIES_ARGS = ["--dtype", "float32", "--temperature", "0", "--threads", "1",
                 "--kv-cache-memory", "0.05"]
@@ -61,7 +62,7 @@ class Repl:
     def __init__(self, args: Sequence[str], env: dict[str, str], timeout: float = 90) -> None:
         self.p = pexpect.spawn(sys.executable, ["-m", "localllm.apps.cli", "chat", *args],
                                env=env, encoding="utf-8", timeout=timeout,
-                               dimensions=(50, 300))
+                               dimensions=(50, 300), preexec_fn=interruptible)
         self.banner = self.prompt()
 
     def prompt(self) -> str:

@@ -24,6 +24,13 @@ READY_TIMEOUT = 60.0
 KEY = "test-key-0123456789"  # the API key of the shared test servers
 
 
+
+def interruptible() -> None:
+    """A child's `preexec_fn`: SIGINT back to its default, so that the CLI under test turns
+    Ctrl-C into KeyboardInterrupt even where the test run ignores SIGINT (a shell starts a
+    background job that way, and its children inherit it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 class ServeProcess:
     def __init__(self, proc: subprocess.Popen[str], socket: Path | None) -> None:
         self.proc = proc
@@ -51,7 +58,8 @@ class ServeProcess:
         if socket is not None:
             cmd += ["--socket", str(socket)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=full_env)
+                                stderr=subprocess.PIPE, text=True, env=full_env,
+                                preexec_fn=interruptible)
         server = cls(proc, socket)
         if wait_ready:
             server.wait_for("ready", READY_TIMEOUT)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from serve_util import ServeProcess
+from serve_util import ServeProcess, interruptible
 
 from localllm.apps.cli import main
 
@@ -85,7 +85,7 @@ def test_ctrl_c_reports_what_was_measured(stories_path: Path) -> None:
          "--dtype", "float32", "--threads", "1", "--num-requests", "500", "--input-len", "16",
          "--output-len", "32", "--concurrency", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=interruptible)
     assert proc.stderr is not None
     seen = ""
     deadline = time.monotonic() + 60

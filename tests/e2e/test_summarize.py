@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_util import ServeProcess
+from serve_util import ServeProcess, interruptible
 from test_cli import cli, console_script, subprocess_env
 
 from localllm import model_path
@@ -144,7 +144,7 @@ def test_ctrl_c_keeps_finished_files_and_says_how_to_continue(tmp_path: Path,
     cmd = [console_script(), "summarize", str(many), "--out", str(out), "--concurrency", "1",
            *ENGINE]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env(tmp_path))
+                            env=subprocess_env(tmp_path), preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while not (out / "manifest.json").exists() and proc.poll() is None:
         assert time.monotonic() < deadline, "no summary after 120 s"
