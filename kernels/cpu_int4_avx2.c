@@ -183,7 +183,7 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     }
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
-    SHARE_OWN(own);
+    SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
     TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs,
                                   lut, lut0, lut1, ranges, nth, id));

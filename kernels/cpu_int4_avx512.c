@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void tile_loop(
     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
     int64_t ldy, const int GS, const int USE_LUT, __m512i lut, __m512i lut_lo,
     int64_t *claim) {
-    SHARE_OWN(own);
+    SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
     TEAM_RUN(nth, id, tile_share(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, GS,
                                  USE_LUT, lut, lut_lo, ranges, nth, id));

@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void tile_loop_u(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t n_pad, const float *xsum, uint16_t *y, int64_t ldy,
     const int GS, int64_t *claim) {
-    SHARE_OWN(own);
+    SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
     TEAM_RUN(nth, id, tile_share_u(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, GS, ranges,
                                    nth, id));

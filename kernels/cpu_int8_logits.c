@@ -253,6 +253,9 @@ static void pair_rows4(PART_ARGS, int64_t tile_bytes, int64_t p0, int64_t passes
     }
 }
 
+/* Tiles a pass takes for M rows of x: one row two tiles at a time; 4 rows and more tile pairs */
+static inline int64_t tiles_a_pass(int64_t M) { return M == 1 || M >= 4 ? 2 : 1; }
+
 /* Tiles t0 .. t_end - 1 for the M rows of x (v, sx, corr: logits_rows' rounding) -> y: one
  * row two tiles at a time; 4 rows and more: tile pairs, 4 rows a pass (then the rest, and a
  * last unpaired tile, one tile at a time: 8, 4, 2 or 1 rows) */
@@ -260,7 +263,7 @@ static void tile_range(const uint8_t *packed, const uint16_t *scales, int64_t N,
                        int64_t K, int64_t M, const int16_t *v, const float *sx,
                        const int32_t *corr, float *y, int64_t ldy, int64_t t0, int64_t t_end) {
     const int64_t groups = K / GS, tile_bytes = 2 * K * 32;
-    const int64_t step = M == 1 || M >= 4 ? 2 : 1;
+    const int64_t step = tiles_a_pass(M);
     const int64_t quads = M / 4, passes = 2 * quads; /* a pair's passes of 4 rows */
     float out[8 * TILE];
     for (int64_t t = t0; t < t_end; t += step) {
@@ -306,11 +309,11 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
     const int rc = logits_rows(x, M, K, ldx, n_pad, &rr);
     if (rc) return rc;
     const int64_t tiles = n_pad / TILE;
-    SHARE_OWN(own); /* the tiles shared out over the threads (share_next, cpu_team.h) */
+    SHARE_OWN(own, NULL); /* the tiles shared out over the threads (share_next, cpu_team.h) */
     int64_t *ranges = share_ranges(NULL, own);
 #pragma omp parallel
     {
-        Share share = share_of(ranges, tiles, M == 1 || M >= 4 ? 2 : 1, omp_get_num_threads(),
+        Share share = share_of(ranges, tiles, tiles_a_pass(M), omp_get_num_threads(),
                                omp_get_thread_num());
         int64_t t0, t1;
         while (share_next(&share, &t0, &t1))

@@ -128,7 +128,7 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
     if (rc) return rc;
     const int64_t groups = K / GS;
     const int64_t tiles = n_pad / TILE, tile_bytes = 2 * K * 32;
-    SHARE_OWN(own); /* the tiles shared out over the threads (share_next, cpu_team.h) */
+    SHARE_OWN(own, NULL); /* the tiles shared out over the threads (share_next, cpu_team.h) */
     int64_t *ranges = share_ranges(NULL, own);
 #pragma omp parallel
     {

@@ -136,10 +136,12 @@ static inline int share_next(Share *s, int64_t *u0, int64_t *u1) {
 }
 
 /* Declares `name`, zeroed ranges for a team the kernel opens itself (TEAM_RUN outside a team,
- * or its own parallel region): as many as that team can have threads, at most SHARE_MAX */
-#define SHARE_OWN(name)                                                                        \
-    const int64_t name##_n = omp_get_max_threads() < SHARE_MAX ? omp_get_max_threads()       \
-                                                               : SHARE_MAX;                   \
+ * or its own parallel region), as many as that team can have threads; one line, unused, where
+ * share_ranges will not take them (the caller's ranges `given`, a calling team, more threads
+ * than SHARE_MAX), so that a decode step's kernels zero nothing of their own */
+#define SHARE_OWN(name, given)                                                                 \
+    const int64_t name##_n =                                                                   \
+        (given) || in_team() || omp_get_max_threads() > SHARE_MAX ? 1 : omp_get_max_threads(); \
     int64_t name[name##_n * SHARE_LINE];                                                       \
     memset(name, 0, sizeof(int64_t) * (size_t)(name##_n * SHARE_LINE))
 
