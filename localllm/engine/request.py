@@ -8,9 +8,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from localllm.config import SamplingParams
+from localllm.engine.draw import DrawStream
 
 
 class RequestStatus(enum.Enum):
@@ -74,12 +73,8 @@ class Request:
         # block_table[:n] were released: behind every layer's sliding window (see BlockManager)
         self.num_released_blocks = 0
         self.times = RequestTimes(arrival if arrival is not None else time.perf_counter())
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            seed = params.seed if params.seed is not None else int(
-                torch.randint(0, 2**62, (1,)).item())
-            self.generator.manual_seed(seed)
+        # the random draws of a request that samples (the seed's, else a random stream)
+        self.draws = None if params.greedy else DrawStream(params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:

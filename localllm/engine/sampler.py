@@ -1,11 +1,13 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds.
 
-Order per row: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw. Each
-request draws from its own seeded generator, so its output does not depend on its batch.
+Order per row: repetition penalty -> top-k -> temperature, top-p, min-p and the draw
+(`draw_index`). Each request draws from its own stream (`DrawStream`: its seed's, else random),
+draw n a number of its own, so its output does not depend on its batch, nor on whether a step
+drew it here or in the CPU's native multi-step call, which draws the same way.
 
 Logits stay on the backend's device: greedy rows take the device's argmax and only the ids come
-back; a draw with top-k copies back its k candidates (the rest of the filtering and the draw
-run on the CPU, with the request's generator); only a draw without top-k copies its row.
+back; a draw with top-k copies back its k candidates (the rest of the draw runs in Python);
+only a draw without top-k copies its row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from localllm.config import SamplingParams
+from localllm.engine.draw import draw_index, draw_sorted
 from localllm.engine.request import Request
 from localllm.layers.backend import Backend
 
@@ -30,28 +34,9 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int],
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Set excluded tokens to -inf. logits: [vocab] fp32, already divided by temperature."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        top = torch.topk(logits, top_k)  # exactly k, even when values tie
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
-
-
 class Sampler:
     """Samples each request's next token from its logits row, with the backend's argmax and
-    top-k."""
+    top-k and the request's `DrawStream` (localllm/engine/draw.py)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -65,23 +50,20 @@ class Sampler:
         for row, req in zip(logits, requests):
             p = req.params
             row = apply_repetition_penalty(row, req.all_token_ids, p.repetition_penalty)
-            if p.greedy:
+            if p.greedy or req.draws is None:
                 out.append(int(self.backend.argmax(row[None])[0]))
                 continue
-            out.append(self._draw(row / p.temperature, p.top_k, p.top_p, p.min_p,
-                                  req.generator))
+            out.append(self._draw(row, p, req.draws.next()))
         return out
 
-
-    def _draw(self, logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
-              generator: torch.Generator | None) -> int:
-        # logits: [vocab] fp32, divided by temperature
-        if 0 < top_k < logits.shape[-1]:
-            # filter and draw among the k candidates only: the same distribution as filtering
-            # the whole vocabulary (top-p and min-p see the renormalized top-k mass either
-            # way), at ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k)
-            idx = self.backend.top_k(logits[None], top_k)[0]
-            kept = filter_logits(logits[idx].cpu(), 0, top_p, min_p)
-            return int(idx[int(torch.multinomial(kept.softmax(-1), 1, generator=generator))])
-        row = filter_logits(logits.cpu(), top_k, top_p, min_p)
-        return int(torch.multinomial(row.softmax(-1), 1, generator=generator))
+    def _draw(self, row: torch.Tensor, p: SamplingParams, u: float) -> int:
+        # row: [vocab] fp32 logits
+        if 0 < p.top_k < row.shape[-1]:
+            # among the k candidates only: the same distribution as filtering the whole
+            # vocabulary (top-p and min-p see the renormalized top-k mass either way), at
+            # ~0.1 ms instead of ~2.5 ms a token (sorts and softmaxes over 49k)
+            idx = self.backend.top_k(row[None], p.top_k)[0]
+            candidates = row[idx].tolist()
+            return int(idx[draw_index(candidates, p.temperature, p.top_p, p.min_p, u)])
+        values, order = torch.sort(row.float().cpu(), descending=True, stable=True)
+        return int(order[draw_sorted(values, p.temperature, p.top_p, p.min_p, u)])

@@ -1,6 +1,8 @@
-"""Sampler, filter_logits, apply_repetition_penalty and SamplingParams validation.
+"""Sampler, the draw (localllm/engine/draw.py), apply_repetition_penalty and SamplingParams
+validation.
 
-No model: synthetic logits and `Request` objects.
+No model: synthetic logits and `Request` objects. `filter_ref` is the plain definition of top-k,
+top-p and min-p over a whole vocabulary that the draw's candidates must follow.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from hypothesis import strategies as st
 
 from localllm.backends.cpu import CpuBackend
 from localllm.config import SamplingParams
+from localllm.engine.draw import (
+    DrawStream,
+    draw_index,
+    draw_sorted,
+    draw_u,
+    kept,
+    weights,
+)
 from localllm.engine.request import Request
-from localllm.engine.sampler import Sampler, apply_repetition_penalty, filter_logits
+from localllm.engine.sampler import Sampler, apply_repetition_penalty
 from localllm.errors import RequestError
 
 NEG_INF = float("-inf")
@@ -30,8 +40,39 @@ def logits_of(probs: list[float]) -> torch.Tensor:
     return torch.tensor([math.log(p) for p in probs], dtype=torch.float32)
 
 
-def kept(logits: torch.Tensor) -> set[int]:
+def finite(logits: torch.Tensor) -> set[int]:
     return set(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+
+
+def filter_ref(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Excluded tokens set to -inf: top-k, then top-p (a token goes when the tokens ranked above
+    it already reach top_p), then min-p (below min_p times the best's probability), over the
+    whole vocabulary. logits: [vocab], already divided by the temperature."""
+    if 0 < top_k < logits.shape[-1]:
+        top = torch.topk(logits, top_k)
+        logits = torch.full_like(logits, NEG_INF).scatter(-1, top.indices, top.values)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
+        logits = logits.clone()
+        logits[order[drop]] = NEG_INF
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), NEG_INF)
+    return logits
+
+
+def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float, min_p: float,
+                temperature: float = 1.0) -> set[int]:
+    """The tokens the draw may pick: its candidates (top-k, else the whole vocabulary, best
+    first) cut by `kept`."""
+    order = torch.sort(logits, descending=True, stable=True).indices
+    if 0 < top_k < logits.shape[-1]:
+        order = order[:top_k]
+    n = kept(weights(logits[order].tolist(), temperature), top_p, min_p)
+    return set(order[:n].tolist())
 
 
 def draws(logits: torch.Tensor, r: Request, n: int) -> list[int]:
@@ -49,10 +90,11 @@ def test_greedy_is_argmax() -> None:
     assert Sampler(CpuBackend())(logits, reqs) == logits.argmax(-1).tolist()
 
 
-def test_temperature_zero_is_greedy_and_has_no_generator() -> None:
+def test_temperature_zero_is_greedy_and_has_no_draw_stream() -> None:
     p = SamplingParams(temperature=0)
     assert p.greedy
-    assert req(temperature=0).generator is None
+    assert req(temperature=0).draws is None
+    assert req(temperature=0.5, top_k=1).draws is None
     assert SamplingParams(temperature=0.5, top_k=1).greedy
     assert not SamplingParams(temperature=0.5).greedy
 
@@ -120,6 +162,39 @@ def test_unseeded_requests_get_independent_generators() -> None:
     assert a != b
 
 
+def test_draw_streams_are_counted_and_keyed() -> None:
+    a, b, c = DrawStream(5), DrawStream(5), DrawStream(6)
+    xs = [a.next() for _ in range(20000)]
+    assert xs[:50] == [b.next() for _ in range(50)]
+    assert xs[:50] != [c.next() for _ in range(50)]
+    assert a.count == 20000 and b.count == 50
+    assert xs[7] == draw_u(5, 7) and DrawStream(-1).key == 2**64 - 1
+    assert all(0.0 <= x < 1.0 and (x * 2**53).is_integer() for x in xs)
+    assert 0.49 < sum(xs) / len(xs) < 0.51
+    assert len(set(xs)) == len(xs)
+
+
+def test_draw_is_the_inverse_cdf_of_the_kept_mass() -> None:
+    values = logits_of([0.5, 0.3, 0.2]).tolist()  # best first
+    picks = [draw_index(values, 1.0, 1.0, 0.0, u) for u in (0.0, 0.49, 0.51, 0.79, 0.81, 0.999)]
+    assert picks == [0, 0, 1, 1, 2, 2]
+    # top-p 0.6 keeps 0.5 and 0.3 (the mass before 0.2 is 0.8): u splits 0.8 as 0.5 : 0.3
+    assert [draw_index(values, 1.0, 0.6, 0.0, u) for u in (0.6, 0.65, 0.999)] == [0, 1, 1]
+    # tokens of probability 0 are never drawn, even at u just below 1
+    assert draw_index([1.0, NEG_INF, NEG_INF], 1.0, 1.0, 0.0, 1 - 2**-53) == 0
+
+
+def test_draw_over_a_whole_sorted_vocabulary_is_the_same_rule() -> None:
+    g = torch.Generator().manual_seed(21)
+    for t in range(40):
+        row = torch.sort(torch.randn(300, generator=g) * 3, descending=True).values
+        temp, top_p, min_p = 0.3 + t / 20, (0.5, 0.9, 1.0)[t % 3], (0.0, 0.01, 0.1)[t % 3]
+        for n in range(25):
+            u = draw_u(t, n)
+            assert draw_sorted(row, temp, top_p, min_p, u) == \
+                draw_index(row.tolist(), temp, top_p, min_p, u)
+
+
 # ------------------------------------------------------------------------ draw statistics
 
 
@@ -153,25 +228,6 @@ def test_top_k_renormalizes_the_survivors() -> None:
 # ------------------------------------------------------------------------ top-k
 
 
-def test_top_k_keeps_exactly_k() -> None:
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(50, generator=g)
-    for k in (1, 3, 10, 49):
-        out = filter_logits(logits, top_k=k, top_p=1.0, min_p=0.0)
-        assert kept(out) == set(torch.topk(logits, k).indices.tolist())
-        # survivors keep their values
-        assert torch.equal(out[list(kept(out))], logits[list(kept(out))])
-    for k in (0, 50, 100):  # off, or not smaller than the vocabulary
-        assert torch.equal(filter_logits(logits, top_k=k, top_p=1.0, min_p=0.0), logits)
-
-
-def test_top_k_keeps_exactly_k_with_ties() -> None:
-    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0])
-    out = filter_logits(logits, top_k=2, top_p=1.0, min_p=0.0)
-    assert 0 in kept(out)
-    assert len(kept(out)) == 2
-
-
 def test_top_k_draws_stay_within_top_k() -> None:
     logits = torch.linspace(0.0, 1.0, 20)  # nearly flat: every survivor gets drawn
     top = set(torch.topk(logits, 4).indices.tolist())
@@ -201,22 +257,20 @@ TOP_P_PROBS = [0.25, 0.1, 0.05, 0.45, 0.15]
     ],
 )
 def test_top_p_keeps_smallest_set_reaching_p(top_p: float, expected: set[int]) -> None:
-    out = filter_logits(logits_of(TOP_P_PROBS), top_k=0, top_p=top_p, min_p=0.0)
-    assert kept(out) == expected
+    assert kept_tokens(logits_of(TOP_P_PROBS), 0, top_p, 0.0) == expected
+    assert finite(filter_ref(logits_of(TOP_P_PROBS), 0, top_p, 0.0)) == expected
 
 
 def test_top_p_keeps_top_token_even_when_it_is_tiny() -> None:
     logits = torch.zeros(100)
     logits[17] = 0.01  # top token with about 1% of the mass
-    assert kept(filter_logits(logits, top_k=0, top_p=0.005, min_p=0.0)) == {17}
+    assert kept_tokens(logits, 0, 0.005, 0.0) == {17}
 
 
 def test_top_p_after_top_k_uses_the_renormalized_mass() -> None:
     # after top-k=2 the survivors are 0.45/0.7 and 0.25/0.7 = 0.64, 0.36
-    out = filter_logits(logits_of(TOP_P_PROBS), top_k=2, top_p=0.6, min_p=0.0)
-    assert kept(out) == {3}
-    out = filter_logits(logits_of(TOP_P_PROBS), top_k=2, top_p=0.7, min_p=0.0)
-    assert kept(out) == {3, 0}
+    assert kept_tokens(logits_of(TOP_P_PROBS), 2, 0.6, 0.0) == {3}
+    assert kept_tokens(logits_of(TOP_P_PROBS), 2, 0.7, 0.0) == {3, 0}
 
 
 @settings(max_examples=60, deadline=None)
@@ -227,7 +281,7 @@ def test_top_p_after_top_k_uses_the_renormalized_mass() -> None:
 def test_top_p_property(values: list[float], top_p: float) -> None:
     logits = torch.tensor(values, dtype=torch.float64)
     probs = logits.softmax(-1)
-    keep = kept(filter_logits(logits, top_k=0, top_p=top_p, min_p=0.0))
+    keep = kept_tokens(logits, 0, top_p, 0.0)
     assert int(logits.argmax()) in keep
     # the kept set is a prefix of the ranking ...
     assert all(probs[i] >= probs[j] for i in keep for j in set(range(len(values))) - keep)
@@ -243,10 +297,13 @@ def test_top_p_property(values: list[float], top_p: float) -> None:
 
 def test_min_p_drops_tokens_below_min_p_times_max() -> None:
     probs = [0.05, 0.5, 0.3, 0.15]
-    assert kept(filter_logits(logits_of(probs), 0, 1.0, min_p=0.2)) == {1, 2, 3}  # < 0.1 out
-    assert kept(filter_logits(logits_of(probs), 0, 1.0, min_p=0.5)) == {1, 2}  # < 0.25 out
-    assert kept(filter_logits(logits_of(probs), 0, 1.0, min_p=1.0)) == {1}
-    assert kept(filter_logits(logits_of(probs), 0, 1.0, min_p=0.0)) == {0, 1, 2, 3}
+    assert kept_tokens(logits_of(probs), 0, 1.0, min_p=0.2) == {1, 2, 3}  # < 0.1 out
+    assert kept_tokens(logits_of(probs), 0, 1.0, min_p=0.5) == {1, 2}  # < 0.25 out
+    assert kept_tokens(logits_of(probs), 0, 1.0, min_p=1.0) == {1}
+    assert kept_tokens(logits_of(probs), 0, 1.0, min_p=0.0) == {0, 1, 2, 3}
+    for min_p in (0.0, 0.2, 0.5, 1.0):
+        assert finite(filter_ref(logits_of(probs), 0, 1.0, min_p)) == \
+            kept_tokens(logits_of(probs), 0, 1.0, min_p)
 
 
 def test_min_p_draws() -> None:
@@ -321,6 +378,6 @@ def test_top_k_draws_follow_the_fully_filtered_distribution(cpu_path: str) -> No
     g = torch.Generator().manual_seed(12)
     logits = torch.randn(200, generator=g) * 2
     r = req(temperature=0.9, top_k=6, top_p=0.9, min_p=0.08, seed=13)
-    want = filter_logits(logits / 0.9, 6, 0.9, 0.08).softmax(-1)
+    want = filter_ref(logits / 0.9, 6, 0.9, 0.08).softmax(-1)
     freq = _frequencies(logits, r, n=4000)
     assert freq == pytest.approx(want.tolist(), abs=0.03)
