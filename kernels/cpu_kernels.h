@@ -91,6 +91,28 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      uint16_t *out, int64_t ldo);
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx);
 
+/* ---- sampled tokens (cpu_sample.c: the draws of localllm/engine/draw.py) */
+
+#define SAMPLE_MAX_K 64 /* top_k's most */
+
+/* How one row draws its token: temperature 0 keeps the row's argmax; else among its top_k
+ * (1 .. SAMPLE_MAX_K, at most the vocabulary) best logits, with draw number count + step of
+ * the request's stream `key`. */
+typedef struct {
+    double temperature, top_p, min_p;
+    int64_t top_k;
+    uint64_t key;
+    int64_t count;
+} RowSampling;
+
+double draw_u(uint64_t key, uint64_t n);
+/* the drawn position among k candidate logits v, largest first */
+int64_t draw_index(const float *v, int64_t k, double temperature, double top_p, double min_p,
+                   double u);
+/* each sampling row's token (the rest left as they are) from fp32 logits [rows][ldl], n used */
+void sample_rows(const float *logits, int64_t ldl, int64_t rows, int64_t n,
+                 const RowSampling *s, int64_t step, int64_t *tokens);
+
 /* ---- a whole decode step (cpu_layers.c) */
 
 typedef struct {
@@ -116,13 +138,15 @@ typedef struct {
 /* An LM head decode_layers runs after the final norm: a Q8_0 weight (two planes, fp16 scales,
  * groups of 32) whose logits come from int8_logits, the refine_k best recomputed exactly
  * (int4_refine_half), each row's best picked (top_k); outputs logits fp32 [M][out_features],
- * best int64 [M] and best_logit fp32 [M]. */
+ * best int64 [M] and best_logit fp32 [M]. With sampling (NULL: every row greedy), a row that
+ * samples has its drawn token in best instead (sample_rows; best_logit stays its largest). */
 typedef struct {
     PackedWeight w;
     int64_t refine_k;
     float *logits;
     int64_t *best;
     float *best_logit;
+    const RowSampling *sampling; /* [M] or NULL */
 } StepHead;
 
 /* The embedding decode_layers looks its input rows up in: a weight with fp16 scales

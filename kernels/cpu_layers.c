@@ -13,7 +13,8 @@
  * (first x: the embedding's rows of the step's tokens, with a StepEmbed), and after the last
  * layer: out = norm(x + r); with a head (StepHead), its logits from out, the best of them
  * refined and each row's argmax, as the per-op path computes them (int4_rows_half, int8_logits,
- * int4_refine_half, top_k), where that path took four calls and their Python between.
+ * int4_refine_half, top_k), where that path took four calls and their Python between; where
+ * rows sample (StepHead.sampling), their tokens drawn as the engine's Sampler draws them.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -98,13 +99,13 @@ static int rope_store(uint16_t *qkv, int64_t M, const DecoderDims *d, const Deco
 }
 
 /* One step of decode_layers (its operands), the head's best ids and logits written to best and
- * best_logit ([M] each) */
+ * best_logit ([M] each); a sampling row's best is its draw number count + step */
 static int decode_step(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                        const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
                        const int64_t *slots, const int64_t *tables, int64_t width,
                        const int64_t *ctx, const float *cos_t, const float *sin_t,
                        int64_t table_rows, const StepEmbed *embed, const StepHead *head,
-                       int64_t *best, float *best_logit) {
+                       int64_t *best, float *best_logit, int64_t step) {
     const int64_t H = d->hidden, head_dim = d->head_dim;
     const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
     const int64_t q_w = num_heads * head_dim, kv_w = num_kv_heads * head_dim;
@@ -186,6 +187,7 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
                          w->planes, w->group_size, head->refine_k);
         top_k(head->logits, n, M, n, 1, best);
         for (int64_t b = 0; b < M; b++) best_logit[b] = head->logits[b * n + best[b]];
+        if (head->sampling) sample_rows(head->logits, n, M, n, head->sampling, step, best);
     }
     return rc;
 }
@@ -196,11 +198,12 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
  * stored); -2 out of memory; -3 a token id beyond the embedding (nothing computed). head:
  * NULL, or the LM head to run after the layers.
  *
- * steps > 1 (with both embed and head): that many greedy decode steps, each row's next token
- * the best of the step before, at the next position (its slot from its block table, its
- * context one longer); head's best and best_logit are then [steps][M], its logits the last
- * step's. Each step is the one-step call on those operands, so the tokens are the ones the
- * same number of separate calls would pick. An error stops at the step that found it (the
+ * steps > 1 (with both embed and head): that many decode steps, each row's next token the
+ * best of the step before (or where the row samples, its draw: step j takes draw count + j),
+ * at the next position (its slot from its block table, its context one longer); head's best
+ * and best_logit are then [steps][M], its logits the last step's. Each step is the one-step
+ * call on those operands, so the tokens are the ones the same number of separate calls (and
+ * the engine's Sampler after each) would pick. An error stops at the step that found it (the
  * steps before it have their results). */
 int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDims *d,
                   const uint16_t *final_norm, uint16_t *x, int64_t M, const int64_t *pos,
@@ -210,7 +213,7 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
     if (steps == 1)
         return decode_step(layers, n_layers, d, final_norm, x, M, pos, slots, tables, width,
                            ctx, cos_t, sin_t, table_rows, embed, head, head ? head->best : NULL,
-                           head ? head->best_logit : NULL);
+                           head ? head->best_logit : NULL, 0);
     if (steps < 1 || !embed || !head || d->block_size < 1) return -1;
     int64_t *ops = malloc(sizeof(int64_t) * (size_t)(4 * M)); /* ids | pos | slots | ctx */
     if (!ops) return -2;
@@ -244,7 +247,7 @@ int decode_layers(const DecoderLayer *layers, int64_t n_layers, const DecoderDim
             if (rc) break;
         }
         rc = decode_step(layers, n_layers, d, final_norm, x, M, p, sl, tables, width, c, cos_t,
-                         sin_t, table_rows, &e, head, best, head->best_logit + j * M);
+                         sin_t, table_rows, &e, head, best, head->best_logit + j * M, j);
     }
     free(ops);
     return rc;

@@ -6,6 +6,7 @@ to `decode_layers` once (ctypes structs pointing at the weights), then runs each
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,13 @@ from localllm.kernels.cpu_int4 import (
     scales_layout,
 )
 from localllm.kernels.cpu_ops import (
+    RowSampling,
     decode_attention_ref,
     decode_attention_supported,
     kv_store_ref,
     rms_norm_ref,
     rope_ref,
+    sampling_rows,
     silu_mul_ref,
     top_k_ref,
 )
@@ -51,7 +54,8 @@ class _DecoderLayer(ctypes.Structure):
 
 class _StepHead(ctypes.Structure):
     _fields_ = [("w", _PackedWeight), ("refine_k", ctypes.c_int64), ("logits", ctypes.c_void_p),
-                ("best", ctypes.c_void_p), ("best_logit", ctypes.c_void_p)]
+                ("best", ctypes.c_void_p), ("best_logit", ctypes.c_void_p),
+                ("sampling", ctypes.c_void_p)]
 
 
 class _StepEmbed(ctypes.Structure):
@@ -182,7 +186,7 @@ class DecoderStack:
         self.embed = embed
         self._x = torch.empty(max_rows, d.hidden, dtype=torch.bfloat16)  # run_tokens' inputs
         if head is not None:  # the head's struct and its best ids / logits, filled per call
-            self._head = _StepHead(head.weight.struct(), head.refine_k, None, None, None)
+            self._head = _StepHead(head.weight.struct(), head.refine_k, None, None, None, None)
             self._best, self._best_logit = (ctypes.c_int64 * 0)(), (ctypes.c_float * 0)()
             self._best_room(max_rows)
         self._structs = (_DecoderLayer * len(layers))(*[
@@ -263,27 +267,38 @@ class DecoderStack:
                    self._embed, None)
         return x
 
-    def run_greedy(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                   pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
-                   sin: torch.Tensor, steps: int) -> tuple[list[list[int]], list[list[float]]]:
-        """`steps` greedy decode steps in one call (a stack with an embedding and a head): the
-        first from ids at positions / slots / context_lens, each later one from the rows' best
-        tokens of the step before, one position on (slots from block_tables, which must hold
-        them; cos and sin must cover the last position). Returns best[step][row] and its logit,
-        the tokens `steps` calls of `run_tokens` would pick one after another."""
+    def run_steps(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  pools: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+                  sin: torch.Tensor, steps: int, draws: Sequence[RowSampling] | None = None
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` decode steps in one call (a stack with an embedding and a head): the first
+        from ids at positions / slots / context_lens, each later one from the rows' tokens of
+        the step before, one position on (slots from block_tables, which must hold them; cos
+        and sin must cover the last position). A row's token is its best, or with `draws`
+        (one per row) where its temperature is above 0, its draw (`sample_rows`: draw count +
+        j at step j). Returns token[step][row] and the row's best logit, the tokens `steps`
+        calls of `run_tokens` (each followed by `sample_rows`) would give one after another."""
         assert self.embed is not None and self.head is not None, \
-            "DecoderStack.run_greedy: needs the embedding and the head"
+            "DecoderStack.run_steps: needs the embedding and the head"
         m = ids.shape[0]
         if not (steps >= 1 and ids.dtype == torch.int64 and ids.shape == (m,)
-                and ids.is_contiguous()):
-            raise ValueError("DecoderStack.run_greedy: bad token ids or steps")
+                and ids.is_contiguous() and (draws is None or len(draws) == m)):
+            raise ValueError("DecoderStack.run_steps: bad token ids, steps or draws")
+        vocab = self.head.weight.out_features
+        if draws is not None and any(r.temperature > 0 and r.top_k > vocab for r in draws):
+            raise ValueError("DecoderStack.run_steps: a top_k beyond the vocabulary")
+        sampling = None if draws is None else sampling_rows(draws)
         self._embed.ids = ids.data_ptr()
         self._best_room(steps * m)
-        logits = torch.empty(m, self.head.weight.out_features, dtype=torch.float32)
+        logits = torch.empty(m, vocab, dtype=torch.float32)
         self._head.logits = logits.data_ptr()
-        self._call(self._x, m, positions, slots, block_tables, context_lens, pools, cos, sin,
-                   self._embed, self._head, steps)
+        self._head.sampling = None if sampling is None else ctypes.addressof(sampling)
+        try:
+            self._call(self._x, m, positions, slots, block_tables, context_lens, pools, cos,
+                       sin, self._embed, self._head, steps)
+        finally:
+            self._head.sampling = None
         best, best_logit = self._best[:steps * m], self._best_logit[:steps * m]
         return ([best[j * m:(j + 1) * m] for j in range(steps)],
                 [best_logit[j * m:(j + 1) * m] for j in range(steps)])

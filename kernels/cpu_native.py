@@ -15,7 +15,8 @@ family:
   rounded to 16 bits per group (16-bit integer products: VNNI, or vpmaddwd in the AVX2 build,
   the same numbers); `int4_refine_half`, the best logits recomputed from the exact rows;
 - `cpu_ops`: `rms_norm` (optionally adding into the residual stream first), `silu_mul`,
-  `rope_`, `kv_store`, `decode_attention` (paged, online softmax) and `top_k`;
+  `rope_`, `kv_store`, `decode_attention` (paged, online softmax), `top_k` and
+  `sample_rows` (sampled tokens drawn as the engine's Sampler draws them);
 - `cpu_layers`: `DecoderStack.run`, every layer of a decode step in one call, through the
   functions above in the same order, so that its results equal the per-op path's bit for bit.
 
@@ -55,9 +56,9 @@ ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_u8.c", "cpu_int4_amx.c",
                      "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
-                     "cpu_layers.c"),
+                     "cpu_sample.c", "cpu_layers.c"),
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_int8_logits_avx2.c",
-                   "cpu_ops_avx2.c", "cpu_layers.c"),
+                   "cpu_ops_avx2.c", "cpu_sample.c", "cpu_layers.c"),
 }
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
@@ -256,6 +257,7 @@ def _library_of(name: str) -> ctypes.CDLL | None:
         "decode_attention": ([ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                               f32, ptr, i64], ctypes.c_int),
         "top_k": ([ptr, i64, i64, i64, i64, ptr], None),
+        "sample_rows": ([ptr, i64, i64, i64, ptr, i64, ptr], None),
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                            i64, ptr, ptr, i64], ctypes.c_int),
     }

@@ -1,8 +1,12 @@
 """The element-wise and attention kernels of `cpu_ops.c`, beside their references: RMSNorm
-(with the residual add), SiLU-and-mul, RoPE, the K/V store, paged decode attention, top-k.
-Call `cpu_native.available()` first."""
+(with the residual add), SiLU-and-mul, RoPE, the K/V store, paged decode attention, top-k; and
+`sample_rows` (`cpu_sample.c`), whose reference is the engine's own draw
+(localllm/engine/draw.py after `top_k`). Call `cpu_native.available()` first."""
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -193,3 +197,37 @@ def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
 def top_k_ref(x: torch.Tensor, k: int) -> torch.Tensor:
     # a stable sort puts equal values in index order
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+SAMPLE_MAX_K = 64  # cpu_kernels.h
+
+
+class RowSampling(ctypes.Structure):
+    """How one row draws its token (cpu_kernels.h): temperature 0 keeps its argmax; else among
+    its top_k (1 .. SAMPLE_MAX_K) best logits, draw count + step of stream `key`."""
+    _fields_ = [("temperature", ctypes.c_double), ("top_p", ctypes.c_double),
+                ("min_p", ctypes.c_double), ("top_k", ctypes.c_int64),
+                ("key", ctypes.c_uint64), ("count", ctypes.c_int64)]
+
+
+def sampling_rows(rows: Sequence[RowSampling]) -> ctypes.Array[RowSampling]:
+    """`rows` as the C array `sample_rows` and `decode_layers` take, after checking them."""
+    for r in rows:
+        if r.temperature > 0 and not (0 < r.top_k <= SAMPLE_MAX_K and r.count >= 0):
+            raise ValueError(f"sample_rows: top_k must be 1 .. {SAMPLE_MAX_K}")
+    return (RowSampling * len(rows))(*rows)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], tokens: torch.Tensor,
+                step: int = 0) -> None:
+    """Each sampling row's token, drawn from its fp32 logits (`logits` [M, n]), into
+    tokens (int64 [M]; a greedy row's entry is left as it is)."""
+    lib = cpu_native.library()
+    assert lib is not None
+    m, n = logits.shape
+    if not (_rows(logits, torch.float32) and len(rows) == m and tokens.dtype == torch.int64
+            and tokens.shape == (m,) and tokens.is_contiguous()
+            and all(r.top_k <= n for r in rows if r.temperature > 0)):
+        raise ValueError("sample_rows: expects fp32 [M, n] logits, M rows and int64 [M] tokens")
+    lib.sample_rows(logits.data_ptr(), logits.stride(0), m, n, sampling_rows(rows), step,
+                    tokens.data_ptr())

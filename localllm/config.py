@@ -169,9 +169,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_model_len: int = 0  # 0: the model's context length
     enable_chunked_prefill: bool = True
-    # greedy decode steps one call may run back to back where every running request decodes
-    # greedily, none waits for KV room and the backend has the path (the CPU's native stack)
-    # (`LLMEngine._greedy_steps`); 1: one
+    # decode steps one call may run back to back where every running request decodes greedily
+    # or samples with a top-k the path takes, none waits for KV room and the backend has the
+    # path (the CPU's native stack) (`LLMEngine._call_steps`); 1: one
     decode_steps: int = 4
 
     def __post_init__(self) -> None:

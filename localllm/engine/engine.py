@@ -101,7 +101,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}  # of the token each request just sampled
         self._aborts: list[str] = []
-        self._greedy_failed = False  # a multi-step decode call raised: one step a call
+        self._steps_failed = False  # a several-steps decode call raised: one step a call
         self._lock = threading.Lock()
         self._kv_bytes = num_blocks * per_block
         log.info("%s", self.kv_summary())
@@ -169,18 +169,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return outputs
-        steps = self._greedy_steps(out)
-        ahead = self._run_greedy(out, steps) if steps > 1 else None
+        steps = self._call_steps(out)
+        ahead = self._run_steps(out, steps) if steps > 1 else None
         if ahead is None:
             self._finish_step(out, self._run(out), outputs)
             return outputs
         # each step's tokens as if it had been a step of its own: requests that finish (a stop
         # token or string, max_tokens) take no part in the steps after, whose tokens for them
-        # are dropped
+        # are dropped; a request that samples used one draw of its stream per step it took
         for j, sampled in enumerate(ahead):
             live = [s for s in out.scheduled if s.request.status is RequestStatus.RUNNING]
             if not live:
                 break
+            for s in live:
+                if s.request.draws is not None:
+                    s.request.draws.count += 1
             self._finish_step(SchedulerOutput(live, out.preempted if j == 0 else []),
                               {s.request.request_id: sampled[s.request.request_id]
                                for s in live}, outputs)
@@ -200,37 +203,42 @@ class LLMEngine:
                 new = [sampled[req.request_id]] if req.request_id in sampled else []
                 outputs.append(self._output(req, new))
 
-    def _greedy_steps(self, out: SchedulerOutput) -> int:
+    def _call_steps(self, out: SchedulerOutput) -> int:
         """How many decode steps this batch runs in one call: up to `decode_steps` where every
-        request decodes one token greedily with nothing to apply to its logits (no repetition
-        penalty, no log-probabilities, no padded vocabulary to mask), no abort is pending and
-        no request waits but for a running one to end (max_num_seqs run); else 1. A request
-        admitted or aborted meanwhile waits for the call."""
+        request decodes one token, greedily or sampled with a top-k the backend's path draws
+        itself, with nothing to apply to its logits (no repetition penalty, no
+        log-probabilities, no padded vocabulary to mask), no abort is pending and no request
+        waits but for a running one to end (max_num_seqs run); else 1. A request admitted or
+        aborted meanwhile waits for the call."""
         sch = self.scheduler
         steps = sch.config.decode_steps
         blocked = sch.waiting and len(sch.running) < sch.config.max_num_seqs
-        if (steps < 2 or out.preempted or blocked or self._aborts
-                or self._greedy_failed
+        path = self.runner.decode_steps if steps > 1 else None
+        if (path is None or out.preempted or blocked or self._aborts
+                or self._steps_failed
                 or self.loaded.config.vocab_size > self.tokenizer.vocab_size
-                or len(out.scheduled) > self.runner.greedy_max_seqs):
+                or len(out.scheduled) > path.max_seqs):
             return 1
         for s in out.scheduled:
             p = s.request.params
-            if (s.num_new_tokens != 1 or not s.samples or not p.greedy
+            drawn = p.greedy or 0 < p.top_k <= min(path.max_top_k,
+                                                   self.loaded.config.vocab_size - 1)
+            if (s.num_new_tokens != 1 or not s.samples or not drawn
                     or p.repetition_penalty != 1.0 or p.logprobs is not None):
                 return 1
         return sch.reserve_ahead(out, steps)
 
-    def _run_greedy(self, out: SchedulerOutput, steps: int) -> list[dict[str, int]] | None:
-        """The sampled tokens of `steps` greedy decode steps of the batch run in one call
-        (fewer up to a step whose best logit is not finite), or None where the backend did
-        not run them (the batch then takes a step of its own, which reports any error)."""
+    def _run_steps(self, out: SchedulerOutput, steps: int) -> list[dict[str, int]] | None:
+        """The sampled tokens of `steps` decode steps of the batch run in one call (fewer up
+        to a step whose best logit is not finite), or None where the backend did not run them
+        (the batch then takes a step of its own, which reports any error)."""
         try:
-            got = self.runner.execute_greedy(out.scheduled, steps)
+            got = self.runner.execute_steps(out.scheduled, steps)
         except Exception:
             # not again: a failure that repeats would cost a call and a traceback every step
-            log.exception("a multi-step decode call failed; decoding one step a call from now")
-            self._greedy_failed = True
+            log.exception("a several-steps decode call failed; decoding one step a call from "
+                          "now")
+            self._steps_failed = True
             return None
         if got is None:
             return None

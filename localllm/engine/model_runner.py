@@ -3,7 +3,7 @@
 The runner holds the model's backend and device: it allocates the KV pools through the
 backend, builds each step's metadata, and takes the backend's whole-step fast path (a
 decode-only step in one call) where the backend has one, the model's forward otherwise; where the
-backend runs several greedy decode steps in one call, `execute_greedy` takes them. It also
+backend runs several decode steps in one call, `execute_steps` takes them. It also
 copies whole blocks out of and into the pools for the prefix store (`read_blocks`,
 `write_blocks`: plain indexing, on any device).
 """
@@ -19,7 +19,7 @@ from localllm.config import ModelConfig
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import GreedySteps, StepLogits, StepTokens, WholeStep
+from localllm.layers.backend import DecodeSteps, RowDraw, StepLogits, StepTokens, WholeStep
 from localllm.models.registry import CausalLM
 
 
@@ -48,8 +48,8 @@ class ModelRunner:
                                                   cfg.num_kv_heads, cfg.head_dim, model.dtype)
         self._whole_step: WholeStep | None = None
         self._whole_step_built = False
-        self._greedy: GreedySteps | None = None
-        self._greedy_built = False
+        self._steps: DecodeSteps | None = None
+        self._steps_built = False
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A CPU copy of whole blocks' K/V, every layer (for the prefix store):
@@ -141,22 +141,27 @@ class ModelRunner:
         return t_ids, t_pos, meta
 
     @property
-    def greedy_max_seqs(self) -> int:
-        """The most sequences for which the backend runs several greedy decode steps in one
-        call (`execute_greedy`) for this model; 0 where it does not."""
-        if not self._greedy_built:  # after loading, which must not change the weights
-            self._greedy = self.backend.greedy_steps(self.model.decoder_layout())
-            self._greedy_built = True
-        return 0 if self._greedy is None else self._greedy.max_seqs
+    def decode_steps(self) -> DecodeSteps | None:
+        """The backend's path running several decode steps of this model in one call
+        (`execute_steps`), or None."""
+        if not self._steps_built:  # after loading, which must not change the weights
+            self._steps = self.backend.decode_steps(self.model.decoder_layout())
+            self._steps_built = True
+        return self._steps
 
-    def execute_greedy(self, batch: list[ScheduledRequest], steps: int) -> StepTokens | None:
-        """Run `steps` greedy decode steps of a decode-only batch in one call (each request's
-        block table must already hold its slots for all of them), or None where the backend
-        has no such path or does not take this batch: then nothing was computed."""
-        if not self.greedy_max_seqs or self._greedy is None:  # builds the path once
+    def execute_steps(self, batch: list[ScheduledRequest], steps: int) -> StepTokens | None:
+        """Run `steps` decode steps of a decode-only batch in one call (each request's block
+        table must already hold its slots for all of them; a request that samples draws as the
+        Sampler would, its stream's count not advanced here), or None where the backend has no
+        such path or does not take this batch: then nothing was computed."""
+        path = self.decode_steps
+        if path is None:
             return None
+        draws = [None if s.request.draws is None else RowDraw(
+            s.request.params.temperature, s.request.params.top_k, s.request.params.top_p,
+            s.request.params.min_p, s.request.draws.key, s.request.draws.count) for s in batch]
         input_ids, positions, meta = self._prepare(batch)
-        return self._greedy.run(input_ids, positions, self.kv_caches, meta, steps)
+        return path.run(input_ids, positions, self.kv_caches, meta, steps, draws)
 
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         """Run one step: the sampling requests' logits [num_sampling, vocab] fp32 on the

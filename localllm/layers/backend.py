@@ -48,24 +48,40 @@ WholeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetada
 
 @dataclass(frozen=True)
 class StepTokens:
-    """Several greedy decode steps run in one call: best[j][i] is row i's argmax (ties to the
-    lower id) after step j, the input of step j + 1; best_logit[j][i] its logit."""
+    """Several decode steps run in one call: best[j][i] is row i's token after step j, the input
+    of step j + 1: its argmax (ties to the lower id), or for a row that samples its draw;
+    best_logit[j][i] the row's largest logit."""
     best: list[list[int]]
     best_logit: list[list[float]]
 
 
-# several greedy decode steps of a decode-only batch in one call: (input_ids, positions, caches,
-# meta, steps) -> `StepTokens`, each later step's K/V slots taken from the block tables in
-# `meta` (which must already hold them); None when this batch is not one it takes
-GreedyRun = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, int],
-                     StepTokens | None]
+@dataclass(frozen=True)
+class RowDraw:
+    """How a row of a several-steps call draws its tokens, as the engine's Sampler would
+    (localllm/engine/draw.py): among its top_k logits, with draw count + j of stream `key` at
+    step j."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    key: int
+    count: int
+
+
+# several decode steps of a decode-only batch in one call: (input_ids, positions, caches, meta,
+# steps, draws) -> `StepTokens`, each later step's K/V slots taken from the block tables in
+# `meta` (which must already hold them); draws: per row, None (greedy) or its `RowDraw`; None
+# when this batch is not one it takes
+StepsRun = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata, int,
+                     list[RowDraw | None]], StepTokens | None]
 
 
 @dataclass(frozen=True)
-class GreedySteps:
-    """A backend's fast path for several greedy decode steps in one call."""
-    run: GreedyRun
+class DecodeSteps:
+    """A backend's fast path for several decode steps in one call."""
+    run: StepsRun
     max_seqs: int  # the most sequences one call takes
+    max_top_k: int  # a sampling row's largest top_k (1 .. this); 0: greedy rows only
 
 
 class Backend(LayerOps):
@@ -105,8 +121,9 @@ class Backend(LayerOps):
         step is `forward` (built once, after loading; the weights must not change after), or
         None."""
 
-    def greedy_steps(self, layout: DecoderLayout) -> GreedySteps | None:
-        """A fast path running several greedy decode steps of the model `layout` describes in
-        one call, with the tokens one step at a time would give (built once, after loading),
-        or None (the default: one step a call)."""
+    def decode_steps(self, layout: DecoderLayout) -> DecodeSteps | None:
+        """A fast path running several decode steps of the model `layout` describes in one
+        call, greedy or sampled with top-k, with the tokens one step at a time (and the
+        engine's Sampler) would give (built once, after loading), or None (the default: one
+        step a call)."""
         return None

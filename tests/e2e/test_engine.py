@@ -365,11 +365,12 @@ def test_bf16_split_cached_and_preempted_prompts_match_alone(smollm_path: Path,
 
 
 @pytest.mark.parametrize("cpu_path", ["native", "native-avx2"], indirect=True)
-def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_path: str) -> None:
-    """Greedy decodes run up to `decode_steps` steps in one native call: every request gets
-    the tokens, text and finish reason of one step a call, whether it ends on max_tokens, a
-    stop token or a stop string in the middle of a call's steps, and a sampled request in the
-    batch makes it one step a call again."""
+def test_decode_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_path: str) -> None:
+    """Greedy decodes, and seeded draws with top-k (chat's defaults and others), run up to
+    `decode_steps` steps in one native call: every request gets the tokens, text and finish
+    reason of one step a call, whether it ends on max_tokens, a stop token or a stop string in
+    the middle of a call's steps, and a request sampling without top-k in the batch makes it
+    one step a call again."""
     def make(steps: int) -> LLM:
         return LLM(smollm_path, dtype="bfloat16",
                    scheduler=SchedulerConfig(max_num_seqs=8, decode_steps=steps))
@@ -386,16 +387,21 @@ def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_pat
               SamplingParams(max_tokens=30, temperature=0,
                              stop_token_ids=(free.token_ids[6],)),
               SamplingParams(max_tokens=21, temperature=0)]
-    sampled = SamplingParams(max_tokens=9, temperature=0.8, seed=5)
+    sampled = SamplingParams(max_tokens=9, temperature=0.8, seed=5)  # top-k off
+    drawn = [SamplingParams(max_tokens=18, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                            seed=3),
+             SamplingParams(max_tokens=11, temperature=1.4, top_k=64, seed=2**70 + 9),
+             SamplingParams(max_tokens=14, temperature=0.6, top_k=5, top_p=0.8, seed=0,
+                            stop=(stop_text,))]
     calls: list[int] = []
-    execute_greedy = four.engine.runner.execute_greedy
+    execute_steps = four.engine.runner.execute_steps
 
     def counted(batch: list[ScheduledRequest], steps: int) -> object:
-        out = execute_greedy(batch, steps)
+        out = execute_steps(batch, steps)
         calls.append(steps if out is not None else 0)
         return out
 
-    four.engine.runner.execute_greedy = counted  # type: ignore[method-assign]
+    four.engine.runner.execute_steps = counted  # type: ignore[method-assign]
 
     def batch(llm: LLM, params: list[SamplingParams], ids: list[list[int]]
               ) -> list[tuple[list[int], str, str]]:
@@ -415,23 +421,26 @@ def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_pat
         return (alone + batch(llm, params, prompts[:1] * len(params))
                 + batch(llm, greedy[:1] * 4, prompts))
 
-    for params in (greedy, greedy + [sampled]):
+    for params in (greedy, greedy + [sampled], greedy[:2] + drawn):
         calls.clear()
         want = outputs(one, params)
         assert outputs(four, params) == want
-        assert [w[2] for w in want[:3]] == ["length", "stop", "stop"]
+        assert [w[2] for w in want[:2]] == ["length", "stop"]
+        assert params[2] is not greedy[2] or want[2][2] == "stop"
         assert calls and max(calls) == 4  # calls ran several steps
+    # the draws drew: not the greedy tokens
+    assert want[2][0][:18] != free.token_ids[:18]
     # a call that fails: that step alone, and one step a call from then on
     def broken(batch: list[ScheduledRequest], steps: int) -> object:
         calls.append(-1)
         raise RuntimeError("broken")
 
     calls.clear()
-    four.engine.runner.execute_greedy = broken  # type: ignore[method-assign]
+    four.engine.runner.execute_steps = broken  # type: ignore[method-assign]
     assert outputs(four, greedy) == outputs(one, greedy) and calls == [-1]
-    four.engine._greedy_failed = False
-    four.engine.runner.execute_greedy = counted  # type: ignore[method-assign]
-    # a sampled request in the batch: one step a call while it runs
+    four.engine._steps_failed = False
+    four.engine.runner.execute_steps = counted  # type: ignore[method-assign]
+    # a request sampling without top-k in the batch: one step a call while it runs
     calls.clear()
     batch(four, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                  SamplingParams(max_tokens=12, temperature=0.8, seed=1)], prompts[:2])
@@ -441,16 +450,16 @@ def test_greedy_steps_in_one_call_match_a_step_a_call(smollm_path: Path, cpu_pat
     two = [LLM(smollm_path, dtype="bfloat16",
                scheduler=SchedulerConfig(max_num_seqs=2, decode_steps=s)) for s in (1, 4)]
     runner = two[1].engine.runner
-    run_greedy = runner.execute_greedy
+    run_steps = runner.execute_steps
     waited: list[int] = []
 
     def while_waiting(batch: list[ScheduledRequest], steps: int) -> object:
-        out = run_greedy(batch, steps)
+        out = run_steps(batch, steps)
         if out is not None and two[1].engine.scheduler.waiting:
             waited.append(steps)
         return out
 
-    runner.execute_greedy = while_waiting  # type: ignore[method-assign]
+    runner.execute_steps = while_waiting  # type: ignore[method-assign]
     jobs = greedy + greedy[:1]
     assert batch(two[1], jobs, prompts + prompts[:1]) == batch(two[0], jobs, prompts + prompts[:1])
     assert waited and max(waited) == 4

@@ -16,6 +16,7 @@ from localllm.backends.cpu import CpuBackend, dispatch
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.backends.cpu.whole_step import build_stack
+from localllm.engine.draw import draw_index, draw_u
 from localllm.engine.model_runner import prompt_logits
 from localllm.kernels import cpu_int4, cpu_native, cpu_ops
 from localllm.layers.linear import Linear, QuantLinear, row_source
@@ -262,6 +263,28 @@ def test_top_k(k: int) -> None:
     assert torch.equal(cpu_ops.top_k(ties, k), cpu_ops.top_k_ref(ties, k))
 
 
+def test_sample_rows_draw_as_the_engine_draws() -> None:
+    # the native draw (top_k, then draw_index with draw count + step) against the engine's
+    # Python one, token for token, greedy rows left alone; params as chat uses them and wider
+    g = torch.Generator().manual_seed(16)
+    params = [(0.8, 0.95, 0.05, 40), (1.5, 1.0, 0.0, 64), (0.3, 0.5, 0.2, 3), (2.0, 0.99, 0.0, 1)]
+    for t in range(300):
+        x = torch.randn(5, 700, generator=g) * (1 + t % 4)
+        x[:, 600:] = float("-inf") if t % 5 == 0 else x[:, 600:]
+        rows = [cpu_ops.RowSampling(*params[(t + b) % 4][:3], params[(t + b) % 4][3], 11 * t + b,
+                                    t) for b in range(4)] + [cpu_ops.RowSampling()]
+        tokens = torch.full((5,), -7, dtype=torch.int64)
+        cpu_ops.sample_rows(x, rows, tokens, step=3)
+        for b, r in enumerate(rows[:4]):
+            idx = cpu_ops.top_k_ref(x[b:b + 1], r.top_k)[0]
+            u = draw_u(r.key, r.count + 3)
+            assert int(tokens[b]) == int(idx[draw_index(x[b, idx].tolist(), r.temperature,
+                                                         r.top_p, r.min_p, u)])
+        assert int(tokens[4]) == -7
+    with pytest.raises(ValueError, match="top_k"):
+        cpu_ops.sample_rows(x, [cpu_ops.RowSampling(1.0, 1.0, 0.0, 65, 0, 0)] * 5, tokens)
+
+
 SPEC = ModelSpec(hidden=128, ffn=128, heads=4, kv_heads=2, layers=2, qtype=QT.Q4_0,
                  qtypes={"token_embd.weight": QT.Q8_0})
 
@@ -425,7 +448,7 @@ def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: P
     clean = [(k.clone(), v.clone()) for k, v in pools]
     cos, sin = m.rope.tables(64, torch.device("cpu"))
     ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
-    best, best_logit = stack.run_greedy(ids, pos, slots, tables, ctx, pools, cos, sin, 3)
+    best, best_logit = stack.run_steps(ids, pos, slots, tables, ctx, pools, cos, sin, 3)
     # the same three steps, one call each, each step's best the next step's input
     alone = [(k.clone(), v.clone()) for k, v in clean]
     p, c = pos.clone(), ctx.clone()
@@ -438,20 +461,54 @@ def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: P
         ids, p, c = torch.tensor(got[1]), p + 1, c + 1
     assert all(torch.equal(a, b) for x, y in zip(pools, alone) for a, b in zip(x, y))
     # one step is the plain call; a step past a row's block table is an error
-    assert stack.run_greedy(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
+    assert stack.run_steps(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
                             [(k.clone(), v.clone()) for k, v in clean], cos, sin, 1)[0][0] == \
         stack.run_tokens(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
                          [(k.clone(), v.clone()) for k, v in clean], cos, sin, True)[1]
     end = torch.tensor([4, 31, 0])  # row 1's table ends at position 31
     with pytest.raises(ValueError, match="out of range"):
-        stack.run_greedy(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
+        stack.run_steps(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
                          end + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
     bad = tables.clone()
     bad[0, 1] = 8  # row 0's next block is not in the pools (8 blocks)
     edge = torch.tensor([15, 4, 0])
     with pytest.raises(ValueError, match="out of range"):
-        stack.run_greedy(torch.tensor([5, 0, 1]), edge, torch.tensor([15, 16 + 4, 32]), bad,
+        stack.run_steps(torch.tensor([5, 0, 1]), edge, torch.tensor([15, 16 + 4, 32]), bad,
                          edge + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
+
+
+def test_sampled_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
+    # rows that sample draw inside the call what `sample_rows` after each one-step call draws
+    m = load_gguf(head_model_file, torch.bfloat16).model
+    stack = build_stack(m.decoder_layout())
+    assert stack is not None and stack.head is not None and stack.embed is not None
+    pools, _, (pos, slots, tables, ctx) = stack_step(9)
+    clean = [(k.clone(), v.clone()) for k, v in pools]
+    cos, sin = m.rope.tables(64, torch.device("cpu"))
+    rows = [cpu_ops.RowSampling(1.5, 1.0, 0.0, 50, 3, 10), cpu_ops.RowSampling(),
+            cpu_ops.RowSampling(0.9, 0.9, 0.02, 8, 2**64 - 5, 0)]
+    ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
+    best, best_logit = stack.run_steps(ids, pos, slots, tables, ctx, pools, cos, sin, 4, rows)
+    alone = [(k.clone(), v.clone()) for k, v in clean]
+    p, c = pos.clone(), ctx.clone()
+    for j in range(4):
+        s = torch.tensor([int(tables[i, int(p[i]) // 16]) * 16 + int(p[i]) % 16
+                          for i in range(3)])
+        got = stack.run_tokens(ids, p, s, tables, c, alone, cos, sin, True)
+        assert isinstance(got, tuple)
+        tokens = torch.tensor(got[1])
+        cpu_ops.sample_rows(got[0], rows, tokens, step=j)
+        assert best[j] == tokens.tolist() and best_logit[j] == got[2]
+        ids, p, c = tokens, p + 1, c + 1
+    assert all(torch.equal(a, b) for x, y in zip(pools, alone) for a, b in zip(x, y))
+    # the greedy row is the greedy call's; a sampled row drew other tokens than its best
+    greedy, _ = stack.run_steps(torch.tensor([5, 0, VOCAB_SIZE - 1]), pos, slots, tables, ctx,
+                                [(k.clone(), v.clone()) for k, v in clean], cos, sin, 4)
+    assert [b[1] for b in best] == [b[1] for b in greedy]
+    assert [b[0] for b in best] != [b[0] for b in greedy]
+    with pytest.raises(ValueError, match="top_k"):
+        stack.run_steps(ids, pos, slots, tables, ctx, clean, cos, sin, 2,
+                        [cpu_ops.RowSampling(1.0, 1.0, 0.0, VOCAB_SIZE + 1, 0, 0)] * 3)
 
 
 def test_engine_samples_the_heads_pick_as_the_per_op_head(head_model_file: Path) -> None:

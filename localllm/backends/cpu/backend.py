@@ -21,7 +21,7 @@ from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuInt8ChannelWeight, CpuPackedWeight
 from localllm.backends.pytorch.backend import TorchBackend
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import Forward, GreedySteps, WholeStep
+from localllm.layers.backend import DecodeSteps, Forward, WholeStep
 from localllm.layers.ops import QuantWeight, RowSource
 from localllm.layers.stack import DecoderLayout
 from localllm.quant.formats import Int8Weight
@@ -77,5 +77,5 @@ class CpuBackend(TorchBackend):
     def whole_step(self, layout: DecoderLayout, forward: Forward) -> WholeStep | None:
         return whole_step.build(layout)
 
-    def greedy_steps(self, layout: DecoderLayout) -> GreedySteps | None:
-        return whole_step.build_greedy(layout)
+    def decode_steps(self, layout: DecoderLayout) -> DecodeSteps | None:
+        return whole_step.build_steps(layout)

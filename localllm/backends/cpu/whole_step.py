@@ -21,9 +21,9 @@ import torch
 from localllm.backends.cpu.attention import decode_batch
 from localllm.backends.cpu.dispatch import NATIVE_KERNEL_MAX_ROWS
 from localllm.backends.cpu.weights import CpuPackedWeight
-from localllm.kernels import cpu_layers, cpu_native
+from localllm.kernels import cpu_layers, cpu_native, cpu_ops
 from localllm.layers.attention import AttentionMetadata, KVCache
-from localllm.layers.backend import GreedySteps, StepLogits, StepTokens, WholeStep
+from localllm.layers.backend import DecodeSteps, RowDraw, StepLogits, StepTokens, WholeStep
 from localllm.layers.linear import LinearBase, QuantLinear
 from localllm.layers.stack import DecoderLayout
 
@@ -154,22 +154,26 @@ def build(layout: DecoderLayout) -> WholeStep | None:
     return step
 
 
-def build_greedy(layout: DecoderLayout) -> GreedySteps | None:
-    """Several greedy decode steps of the model `layout` describes in one native call, or None
-    where the stack lacks the head or the embedding that the call needs to feed each step's
-    tokens to the next (or does not fit the model)."""
+def build_steps(layout: DecoderLayout) -> DecodeSteps | None:
+    """Several decode steps of the model `layout` describes in one native call, greedy or
+    sampled with top-k (drawn in the call as the engine's Sampler draws), or None where the
+    stack lacks the head or the embedding that the call needs to feed each step's tokens to
+    the next (or does not fit the model)."""
     stack = build_stack(layout)
     if stack is None or stack.head is None or stack.embed is None:
         return None
     operands = _Operands(stack, layout)
 
     def steps(input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-              meta: AttentionMetadata, n: int) -> StepTokens | None:
+              meta: AttentionMetadata, n: int, draws: list[RowDraw | None]) -> StepTokens | None:
         # input_ids, positions: [num_seqs], the first step's; the last step's positions are
         # n - 1 on
         args = operands(input_ids, positions, caches, meta, n - 1)
         if args is None:
             return None
-        return StepTokens(*stack.run_greedy(input_ids, *args, n))
+        rows = None if all(d is None for d in draws) else [
+            cpu_ops.RowSampling() if d is None else cpu_ops.RowSampling(
+                d.temperature, d.top_p, d.min_p, d.top_k, d.key, d.count) for d in draws]
+        return StepTokens(*stack.run_steps(input_ids, *args, n, rows))
 
-    return GreedySteps(steps, stack.max_rows)
+    return DecodeSteps(steps, stack.max_rows, cpu_ops.SAMPLE_MAX_K)
