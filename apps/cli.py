@@ -45,10 +45,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=0,
                    help="KV cache size in GiB (default: up to 1 GiB)")
     p.add_argument("--decode-steps", type=_at_least_one, default=0,
-                   help="greedy decode steps one call may run back to back while every "
-                   "running request decodes greedily and none waits for KV room (the CPU's native "
-                   "kernels; their tokens then arrive together, and a request arriving "
-                   "meanwhile waits for the call); 1: a call a step (default: 4)")
+                   help="decode steps one call may run back to back while every running "
+                   "request decodes greedily or samples with a top-k of 1-64, and none waits for "
+                   "KV room (the CPU's native kernels; their tokens then arrive together, and a "
+                   "request arriving meanwhile waits for the call); 1: a call a step "
+                   "(default: 4)")
     add_store_args(p)
 
 
