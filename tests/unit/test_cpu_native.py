@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from localllm.backends.cpu.whole_step import build_stack
 from localllm.engine.draw import draw_index, draw_u
 from localllm.engine.model_runner import prompt_logits
 from localllm.kernels import cpu_int4, cpu_native, cpu_ops
+from localllm.kernels.cpu_layers import DecoderStack
 from localllm.layers.linear import Linear, QuantLinear, row_source
 from localllm.loader import load_gguf
 from localllm.quant.formats import NF4_CODEBOOK, Int4Weight, pack_nibbles
@@ -440,7 +442,13 @@ def test_decoder_stack_runs_a_q8_0_head_as_the_model_does(small_model: torch.nn.
         stack.run_tokens(torch.tensor([1, VOCAB_SIZE, 2]), *args, clean, cos, sin, True)
 
 
-def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
+def steps_one_at_a_time(head_model_file: Path, steps: int,
+                        rows: list[cpu_ops.RowSampling] | None = None
+                        ) -> tuple[DecoderStack, list[list[int]], Any]:
+    """The head model's stack, the tokens of one `run_steps` call of `steps` steps from three
+    rows (`rows`: how each draws) after checking them, and the K/V pools, against `steps` calls
+    of `run_tokens` (each row's best then its `sample_rows` draw the next input); also the
+    call's operands (pos, slots, tables, ctx, clean pools, cos, sin)."""
     m = load_gguf(head_model_file, torch.bfloat16).model
     stack = build_stack(m.decoder_layout())
     assert stack is not None and stack.head is not None and stack.embed is not None
@@ -448,66 +456,56 @@ def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: P
     clean = [(k.clone(), v.clone()) for k, v in pools]
     cos, sin = m.rope.tables(64, torch.device("cpu"))
     ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
-    best, best_logit = stack.run_steps(ids, pos, slots, tables, ctx, pools, cos, sin, 3)
-    # the same three steps, one call each, each step's best the next step's input
+    best, best_logit = stack.run_steps(ids, pos, slots, tables, ctx, pools, cos, sin, steps,
+                                       rows)
     alone = [(k.clone(), v.clone()) for k, v in clean]
     p, c = pos.clone(), ctx.clone()
-    for j in range(3):
-        s = torch.tensor([int(tables[i, int(p[i]) // 16]) * 16 + int(p[i]) % 16
-                          for i in range(3)])
-        got = stack.run_tokens(ids, p, s, tables, c, alone, cos, sin, True)
-        assert isinstance(got, tuple)
-        assert best[j] == got[1] and best_logit[j] == got[2]
-        ids, p, c = torch.tensor(got[1]), p + 1, c + 1
-    assert all(torch.equal(a, b) for x, y in zip(pools, alone) for a, b in zip(x, y))
-    # one step is the plain call; a step past a row's block table is an error
-    assert stack.run_steps(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
-                            [(k.clone(), v.clone()) for k, v in clean], cos, sin, 1)[0][0] == \
-        stack.run_tokens(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
-                         [(k.clone(), v.clone()) for k, v in clean], cos, sin, True)[1]
-    end = torch.tensor([4, 31, 0])  # row 1's table ends at position 31
-    with pytest.raises(ValueError, match="out of range"):
-        stack.run_steps(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
-                         end + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
-    bad = tables.clone()
-    bad[0, 1] = 8  # row 0's next block is not in the pools (8 blocks)
-    edge = torch.tensor([15, 4, 0])
-    with pytest.raises(ValueError, match="out of range"):
-        stack.run_steps(torch.tensor([5, 0, 1]), edge, torch.tensor([15, 16 + 4, 32]), bad,
-                         edge + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
-
-
-def test_sampled_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
-    # rows that sample draw inside the call what `sample_rows` after each one-step call draws
-    m = load_gguf(head_model_file, torch.bfloat16).model
-    stack = build_stack(m.decoder_layout())
-    assert stack is not None and stack.head is not None and stack.embed is not None
-    pools, _, (pos, slots, tables, ctx) = stack_step(9)
-    clean = [(k.clone(), v.clone()) for k, v in pools]
-    cos, sin = m.rope.tables(64, torch.device("cpu"))
-    rows = [cpu_ops.RowSampling(1.5, 1.0, 0.0, 50, 3, 10), cpu_ops.RowSampling(),
-            cpu_ops.RowSampling(0.9, 0.9, 0.02, 8, 2**64 - 5, 0)]
-    ids = torch.tensor([5, 0, VOCAB_SIZE - 1])
-    best, best_logit = stack.run_steps(ids, pos, slots, tables, ctx, pools, cos, sin, 4, rows)
-    alone = [(k.clone(), v.clone()) for k, v in clean]
-    p, c = pos.clone(), ctx.clone()
-    for j in range(4):
+    for j in range(steps):
         s = torch.tensor([int(tables[i, int(p[i]) // 16]) * 16 + int(p[i]) % 16
                           for i in range(3)])
         got = stack.run_tokens(ids, p, s, tables, c, alone, cos, sin, True)
         assert isinstance(got, tuple)
         tokens = torch.tensor(got[1])
-        cpu_ops.sample_rows(got[0], rows, tokens, step=j)
+        if rows is not None:
+            cpu_ops.sample_rows(got[0], rows, tokens, step=j)
         assert best[j] == tokens.tolist() and best_logit[j] == got[2]
         ids, p, c = tokens, p + 1, c + 1
     assert all(torch.equal(a, b) for x, y in zip(pools, alone) for a, b in zip(x, y))
+    return stack, best, (pos, slots, tables, ctx, clean, cos, sin)
+
+
+def test_greedy_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
+    stack, _, (pos, slots, tables, ctx, clean, cos, sin) = steps_one_at_a_time(head_model_file,
+                                                                                3)
+    # one step is the plain call; a step past a row's block table is an error
+    assert stack.run_steps(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
+                           [(k.clone(), v.clone()) for k, v in clean], cos, sin, 1)[0][0] == \
+        stack.run_tokens(torch.tensor([5, 0, 1]), pos, slots, tables, ctx,
+                         [(k.clone(), v.clone()) for k, v in clean], cos, sin, True)[1]
+    end = torch.tensor([4, 31, 0])  # row 1's table ends at position 31
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run_steps(torch.tensor([5, 0, 1]), end, torch.tensor([4, 16 + 15, 32]), tables,
+                        end + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
+    bad = tables.clone()
+    bad[0, 1] = 8  # row 0's next block is not in the pools (8 blocks)
+    edge = torch.tensor([15, 4, 0])
+    with pytest.raises(ValueError, match="out of range"):
+        stack.run_steps(torch.tensor([5, 0, 1]), edge, torch.tensor([15, 16 + 4, 32]), bad,
+                        edge + 1, [(k.clone(), v.clone()) for k, v in clean], cos, sin, 2)
+
+
+def test_sampled_steps_in_one_call_are_the_steps_one_at_a_time(head_model_file: Path) -> None:
+    # rows that sample draw inside the call what `sample_rows` after each one-step call draws
+    rows = [cpu_ops.RowSampling(1.5, 1.0, 0.0, 50, 3, 10), cpu_ops.RowSampling(),
+            cpu_ops.RowSampling(0.9, 0.9, 0.02, 8, 2**64 - 5, 0)]
+    stack, best, (pos, slots, tables, ctx, clean, cos, sin) = steps_one_at_a_time(
+        head_model_file, 4, rows)
     # the greedy row is the greedy call's; a sampled row drew other tokens than its best
-    greedy, _ = stack.run_steps(torch.tensor([5, 0, VOCAB_SIZE - 1]), pos, slots, tables, ctx,
-                                [(k.clone(), v.clone()) for k, v in clean], cos, sin, 4)
+    _, greedy, _ = steps_one_at_a_time(head_model_file, 4)
     assert [b[1] for b in best] == [b[1] for b in greedy]
     assert [b[0] for b in best] != [b[0] for b in greedy]
     with pytest.raises(ValueError, match="top_k"):
-        stack.run_steps(ids, pos, slots, tables, ctx, clean, cos, sin, 2,
+        stack.run_steps(torch.tensor([5, 0, 1]), pos, slots, tables, ctx, clean, cos, sin, 2,
                         [cpu_ops.RowSampling(1.0, 1.0, 0.0, VOCAB_SIZE + 1, 0, 0)] * 3)
 
 
