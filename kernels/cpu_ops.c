@@ -27,9 +27,12 @@ static inline void rms_norm_row(const uint16_t *xr, uint16_t *rr, const uint16_t
     for (int64_t i = 0; i < dim; i += 16) {
         const __mmask16 m = tail_mask(dim - i);
         __m512 v = load_bf16(xr + i, m);
-        if (rr) {
-            store_bf16(rr + i, _mm512_add_ps(v, load_bf16(rr + i, m)), m);
-            v = load_bf16(rr + i, m); /* the rounded sum is what gets normalized */
+        if (rr) { /* the rounded sum is what gets normalized (kept in registers: reading it
+                   * back from the masked store stalled on store forwarding) */
+            const __m512 exact = _mm512_add_ps(v, load_bf16(rr + i, m));
+            const __m256i sum = (__m256i)_mm512_cvtneps_pbh(exact);
+            _mm256_mask_storeu_epi16(rr + i, m, sum);
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
         }
         ss = _mm512_fmadd_ps(v, v, ss);
     }
