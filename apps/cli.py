@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from typing import TYPE_CHECKING
 
+from localllm.apps.arg_types import at_least, positive_number
 from localllm.apps.cache import add_store_args, cache_config
 from localllm.apps.connect import add_endpoint_args
 from localllm.errors import LocalLLMError
@@ -15,13 +17,6 @@ from localllm.errors import LocalLLMError
 if TYPE_CHECKING:  # the functions below import them when called
     from localllm.config import SamplingParams
     from localllm.llm import LLM
-
-
-def _at_least_one(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return n
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -39,12 +34,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="how the model's ops run: cpu (native kernels, PyTorch fallback), "
                    "triton (our Triton kernels; on the CPU only with TRITON_INTERPRET=1), torch "
                    "(PyTorch ops); auto: cpu on the CPU, triton on CUDA (default: auto)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads")
-    p.add_argument("--max-model-len", type=int, default=0,
+    p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads")
+    p.add_argument("--max-model-len", type=at_least(1), default=0,
                    help="context length to serve (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=float, default=0,
+    p.add_argument("--kv-cache-memory", type=positive_number, default=0,
                    help="KV cache size in GiB (default: up to 1 GiB)")
-    p.add_argument("--decode-steps", type=_at_least_one, default=0,
+    p.add_argument("--decode-steps", type=at_least(1), default=0,
                    help="decode steps one call may run back to back while every running "
                    "request decodes greedily or samples with a top-k of 1-64, and none waits for "
                    "KV room (the CPU's native kernels; their tokens then arrive together, and a "
@@ -122,7 +117,8 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
     from localllm.llm import LLM
     from localllm.loader import stderr_progress
 
-    cache = cache_config(args, int(args.kv_cache_memory * 2**30))
+    # at least a byte: a tiny --kv-cache-memory must not become 0, the default size
+    cache = cache_config(args, math.ceil(args.kv_cache_memory * 2**30))
     default = SchedulerConfig()
     sched = SchedulerConfig(
         max_model_len=args.max_model_len,

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from localllm.errors import RequestError
+from localllm.apps.arg_types import at_least, positive_number
+from localllm.errors import ModelLoadError, RequestError
 
 _UNITS = {"": 10**9, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -40,14 +41,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="backend whose loaded bytes count for the KV fit and the bound "
                    "(auto: triton with a CUDA GPU, else cpu)")
     p.add_argument("--memory", default="8GB", help="memory for weights + KV (default: 8GB)")
-    p.add_argument("--sessions-at", type=int, default=0, metavar="N",
+    p.add_argument("--sessions-at", type=at_least(1), default=0, metavar="N",
                    help="session length for how many concurrent sessions fit (default: 4096, "
                    "or the model's context where shorter)")
-    p.add_argument("--context", type=int, default=0, metavar="N",
+    p.add_argument("--context", type=at_least(1), default=0, metavar="N",
                    help="context length for FLOPs and the bandwidth bound (default: the "
                    "model's)")
     bw = p.add_mutually_exclusive_group()
-    bw.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+    bw.add_argument("--bandwidth", type=positive_number, default=None, metavar="GB/s",
                     help="memory bandwidth for the decode bound")
     bw.add_argument("--measure", action="store_true",
                     help="measure the bandwidth here (best of 5 copies of a 256 MiB buffer)")
@@ -184,7 +185,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     if args.model_pos and args.model and args.model_pos != args.model:
         raise RequestError("give the model once: as MODEL or with --model")
-    path = find_model(args.model_pos or args.model)
+    if args.model_pos:  # find_model's message would say "given with --model"
+        path = Path(args.model_pos).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"{path}: no such file (given as MODEL)")
+    else:
+        path = find_model(args.model)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else None
     if args.measure:
         bandwidth = measure_bandwidth()

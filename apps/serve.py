@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from localllm.apps.arg_types import tcp_port
+
 DEFAULT_PORT = 8080
 
 
@@ -31,8 +33,9 @@ def add_parser(sub: Any, model_args: Any) -> None:
                    "directory)")
     s.add_argument("--host", default=None,
                    help="also listen on TCP at this address (loopback; needs --api-key)")
-    s.add_argument("--port", type=int, default=None,
-                   help=f"TCP port (default {DEFAULT_PORT}; implies --host 127.0.0.1)")
+    s.add_argument("--port", type=tcp_port, default=None,
+                   help=f"TCP port (default {DEFAULT_PORT}; 0: any free port, shown at start; "
+                   f"implies --host 127.0.0.1)")
     s.add_argument("--api-key", default=None,
                    help="key TCP clients send as 'Authorization: Bearer KEY' (default: "
                    "$LOCALLLM_API_KEY)")

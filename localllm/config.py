@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +180,9 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be at least 1")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must not be negative (0: the model's context "
+                             f"length), got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # NaN passes every comparison below
+                raise RequestError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

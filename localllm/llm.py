@@ -49,6 +49,8 @@ class LLM:
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise RequestError(f"unknown quantization {quantize!r} (choose from "
                                f"{', '.join(QUANTIZE_MODES)})")
+        if num_threads is not None and num_threads < 1:
+            raise RequestError(f"num_threads must be at least 1, got {num_threads}")
         self.backend = make_backend(device, backend)
         if num_threads:
             torch.set_num_threads(num_threads)

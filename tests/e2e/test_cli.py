@@ -269,6 +269,8 @@ def test_prompt_longer_than_context(capsys: pytest.CaptureFixture[str],
     [
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+        (["--repeat-penalty", "inf"], "repetition_penalty must be a finite number, got inf"),
         (["--max-tokens", "0"], "max_tokens must be at least 1"),
         (["--stop", ""], "stop strings must not be empty"),
     ],

@@ -156,6 +156,18 @@ def test_cli_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "parameters    112,832" in text and "KV cache      256 bytes/token" in text
 
 
+@pytest.mark.parametrize(("argv", "origin"), [
+    (["info", "{path}"], "(given as MODEL)"),
+    (["info", "--model", "{path}"], "(given with --model)"),
+])
+def test_missing_model_names_how_it_was_given(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              argv: list[str], origin: str) -> None:
+    path = tmp_path / "nope.gguf"
+    assert cli_main([a.format(path=path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"localllm: error: {path}: no such file {origin}\n"
+
+
 def test_sizes_and_bandwidth() -> None:
     assert parse_size("8GB") == 8 * GB
     assert parse_size("1.5GiB") == 3 * 2**29

@@ -358,6 +358,15 @@ def test_repetition_penalty_applies_before_sampling() -> None:
         ({"repetition_penalty": 0.0}, r"repetition_penalty must be positive"),
         ({"stop": ("ok", "")}, r"stop strings must not be empty"),
         ({"stop": ""}, r"stop strings must not be empty"),
+        # NaN passes every comparison: refused as not finite, as is infinity
+        ({"temperature": float("nan")}, r"temperature must be a finite number, got nan"),
+        ({"temperature": float("inf")}, r"temperature must be a finite number, got inf"),
+        ({"top_p": float("nan")}, r"top_p must be a finite number, got nan"),
+        ({"min_p": float("nan")}, r"min_p must be a finite number, got nan"),
+        ({"repetition_penalty": float("nan")},
+         r"repetition_penalty must be a finite number, got nan"),
+        ({"repetition_penalty": float("inf")},
+         r"repetition_penalty must be a finite number, got inf"),
     ],
 )
 def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> None:
