@@ -45,8 +45,28 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("none", "off", "random") else int(text)
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
 def _unescape(text: str) -> str:
-    return text.replace("\\n", "\n").replace("\\t", "\t")
+    """`\\n` -> newline, `\\t` -> tab, `\\\\` -> one backslash; other backslashes stay."""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
+def stop_words(value: str) -> tuple[str, ...]:
+    """`/set stop`'s value as stop strings: shell words (quotes group, as in a shell), but a
+    backslash is no shell escape: `\\n` means a newline quoted or not (a shell would make
+    `\\n` unquoted the letter n)."""
+    lex = shlex.shlex(value, posix=True)
+    lex.whitespace_split = True
+    lex.escape = ""  # keep backslashes for _unescape
+    lex.commenters = ""
+    try:
+        words = list(lex)
+    except ValueError:  # "No closing quotation"
+        raise LocalLLMError(f"/set stop {value}: a quote is not closed; close it (a quote "
+                            f"character itself goes inside the other kind: '\"')") from None
+    return () if words in (["none"], ["off"]) else tuple(map(_unescape, words))
 
 
 # /set NAME -> (SamplingParams field, parse one value)
@@ -80,10 +100,8 @@ def set_param(p: SamplingParams, args: str) -> SamplingParams:
     if not value:
         raise LocalLLMError(f"/set {name} needs a value, e.g. /set temperature 0.3")
     try:
-        if name == "stop":  # shell words: /set stop "\n\n" "User:"; /set stop none
-            words = shlex.split(value)
-            new = () if words in (["none"], ["off"]) else tuple(map(_unescape, words))
-            return dataclasses.replace(p, stop=new)
+        if name == "stop":  # shell words: /set stop "\n\n" User:; /set stop \n; none
+            return dataclasses.replace(p, stop=stop_words(value))
         attr, parse = PARAMS[name]
         return dataclasses.replace(p, **{attr: parse(value)})
     except ValueError:

@@ -124,6 +124,22 @@ def test_set_every_sampling_parameter() -> None:
     assert p.seed is None and p.stop == ()
 
 
+@pytest.mark.parametrize(("value", "stop"), [
+    (r"\n", ("\n",)),  # unquoted: a newline too, as README says (a shell would give "n")
+    (r"\n\n User:", ("\n\n", "User:")),
+    (r'"\n\n" User:', ("\n\n", "User:")),
+    (r"'\n' '###'", ("\n", "###")),
+    (r"\t", ("\t",)),
+    (r"C:\\n", ("C:\\n",)),  # \\ is one backslash
+    (r"a\q", ("a\\q",)),  # a backslash before anything else stays
+    ("'\"' '<|end|>'", ('"', "<|end|>")),
+    ('"User: " #', ("User: ", "#")),
+    ("off", ()),
+])
+def test_set_stop_reads_escapes_quoted_or_not(value: str, stop: tuple[str, ...]) -> None:
+    assert set_param(SamplingParams(stop=("x",)), f"stop {value}").stop == stop
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ("temperature hot", "temperature takes a number"),
     ("top_k 1.5", "top_k takes a whole number"),
@@ -131,6 +147,9 @@ def test_set_every_sampling_parameter() -> None:
     ("max_tokens 0", "max_tokens must be at least 1"),
     ("beam 4", "not a parameter; one of temperature"),
     ("temperature", "needs a value"),
+    ("temperature nan", "temperature must be a finite number, got nan"),
+    ("repeat_penalty inf", "repetition_penalty must be a finite number, got inf"),
+    ('stop "User:', "a quote is not closed"),
 ])
 def test_set_refuses_bad_values(args: str, message: str) -> None:
     with pytest.raises(LocalLLMError, match=message) as e:
