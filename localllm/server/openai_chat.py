@@ -45,6 +45,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         content: Any = m.content
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            # as OpenAI: only an assistant message that calls tools may go without content
+            only = (" (only an assistant message with tool_calls may leave it out)"
+                    if m.role == "assistant" else "")
+            raise APIError(400, f"messages[{i}].content is missing or null; give the {m.role} "
+                           f"message its text{only}", f"messages[{i}].content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:

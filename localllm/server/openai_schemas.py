@@ -45,6 +45,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None or left out: only for an assistant message with tool_calls (the route refuses others)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None

@@ -180,6 +180,60 @@ def test_a_failed_request_answers_alone(served: tuple[Path, ScriptedEngine]) -> 
         "generation failed: RuntimeError: boom")
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type":
+          "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+@pytest.mark.parametrize(("messages", "message"), [
+    ([{"role": "user"}], "messages[0].content is missing or null; give the user message its "
+     "text"),
+    ([{"role": "user", "content": None}], "messages[0].content is missing or null"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+     "messages[0].content is missing or null; give the system message its text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}],
+     "messages[1].content is missing or null; give the assistant message its text (only an "
+     "assistant message with tool_calls may leave it out)"),
+    ([{"role": "user", "content": "weather?"}, CALLED,
+      {"role": "tool", "tool_call_id": "call_1"}], "messages[2].content is missing or null"),
+])
+def test_a_message_without_content_is_a_400(served: tuple[Path, ScriptedEngine],
+                                            messages: list[Any], message: str) -> None:
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith(message) and "\n" not in err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"].endswith("].content")
+
+
+def test_an_assistant_tool_call_needs_no_content(served: tuple[Path, ScriptedEngine]) -> None:
+    messages = [{"role": "user", "content": "weather?"}, CALLED,
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repeat_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_sampling_numbers_must_be_finite(served: tuple[Path, ScriptedEngine], field: str,
+                                         value: str) -> None:
+    name = "repetition_penalty" if field == "repeat_penalty" else field
+    body = f'{{"messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}'
+    ollama = f'{{"prompt": "hi", "stream": false, "options": {{"{field}": {value}}}}}'
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", content=body.encode(),
+                   headers={"Content-Type": "application/json"})
+        o = c.post("/api/generate", content=ollama.encode(),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    shown = "nan" if value == "NaN" else "inf"
+    expected = f"{name} must be a finite number, got {shown}"
+    assert r.json()["error"]["message"] == expected
+    assert r.json()["error"]["param"] == name
+    assert o.status_code == 400 and o.json()["error"] == expected
+
+
 def test_shutdown_ends_open_streams_with_abort(tmp_path: Path) -> None:
     write_model(tmp_path / "tiny.gguf")
     llm = LLM(tmp_path / "tiny.gguf", dtype="float32")
