@@ -6,9 +6,12 @@ Signals (`signals`), each from what the run recorded:
   where one waited while the KV cache was under 90% full (it waited for a batch slot or the
   step's token budget, not for memory).
 - KV peak and preemptions over the run.
-- prefill ITL ratio: the median inter-token gap that overlaps another request's prefill (its
-  span from being sent to its first token) over the median gap that overlaps none; prefill
-  time share: the share of all time between tokens spent in such gaps.
+- prefill ITL ratio: the mean inter-token gap that overlaps another request's prefill (its
+  span from being sent to its first token) over the mean gap that overlaps none; prefill
+  time share: the share of all time between tokens spent in such gaps. Deltas under 1 ms
+  apart count as one arrival and a gap is divided by the tokens its arrival brought: with
+  several decode steps to a call (--decode-steps) tokens come in bursts, and a raw gap would
+  set one call's time beside a near-zero gap inside a burst.
 - batch ITL ratio: among gaps that overlap no prefill, the mean gap at the largest decode
   batch seen (requests between their first token and their end) over the mean at the
   smallest (batch sizes with at least 2 such gaps and 5% of them). Means, not medians: a
@@ -40,6 +43,7 @@ from localllm.bench.timeline import EngineSample, RequestTimeline
 
 KV_FULL = 0.95
 KV_ROOM = 0.9
+BURST = 1e-3  # seconds: deltas closer than this arrived together
 
 
 class Signals(NamedTuple):
@@ -77,23 +81,33 @@ class Finding(NamedTuple):
         return f"{label}: {self.evidence}; {self.advice}"
 
 
+def _arrivals(r: RequestTimeline) -> tuple[np.ndarray, np.ndarray]:
+    """A stream's token arrivals as (times, tokens): deltas under BURST apart are one arrival,
+    so tokens a decode call made together (--decode-steps) count as one step's worth."""
+    t = np.asarray(r.chunk_times, dtype=float)
+    k = np.asarray(r.chunk_tokens, dtype=float)
+    start = np.concatenate(([True], np.diff(t) >= BURST))
+    group = np.cumsum(start) - 1
+    return t[start], np.bincount(group, weights=k)
+
+
 def _gap_tables(records: Sequence[RequestTimeline]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For every inter-token gap: (its length, overlaps another prefill, decode batch at its
-    middle)."""
+    """For every gap between arrivals: (its length per token it brought, overlaps another
+    prefill, decode batch at its middle)."""
     ok = [r for r in records if r.chunk_times]
     pre = np.array([(r.sent, r.chunk_times[0]) for r in ok], dtype=float).reshape(-1, 2)
     dec = np.array([(r.chunk_times[0], r.chunk_times[-1]) for r in ok], dtype=float
                    ).reshape(-1, 2)
     lengths, overlaps, batch = [], [], []
     for i, r in enumerate(ok):
-        t = np.asarray(r.chunk_times, dtype=float)
+        t, k = _arrivals(r)
         if len(t) < 2:
             continue
         a, b = t[:-1, None], t[1:, None]  # [gaps, 1]
         hit = (pre[None, :, 0] < b) & (pre[None, :, 1] > a)  # [gaps, requests]
         hit[:, i] = False
         mid = (a + b) / 2
-        lengths.append(t[1:] - t[:-1])
+        lengths.append((t[1:] - t[:-1]) / np.maximum(k[1:], 1))
         overlaps.append(hit.any(axis=1))
         batch.append(((dec[None, :, 0] <= mid) & (dec[None, :, 1] >= mid)).sum(axis=1))
     if not lengths:
@@ -111,7 +125,7 @@ def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample],
     over_min = (statistics.fmean(ttfts) / min(ttfts)) if ttfts and min(ttfts) > 0 else None
     gaps, overlap, batch = _gap_tables(records)
     ratio = tail = None
-    if overlap.any() and (~overlap).any():
+    if overlap.any() and (~overlap).any() and np.median(gaps[~overlap]) > 0:
         ratio = float(np.median(gaps[overlap]) / np.median(gaps[~overlap]))
         tail = float(gaps[overlap].sum() / gaps.sum())
     lo = hi = bratio = None
@@ -120,7 +134,7 @@ def signals(records: Sequence[RequestTimeline], samples: Sequence[EngineSample],
     sizes = sizes[counts >= max(2, 0.05 * len(quiet))]
     if len(sizes):
         lo, hi = int(sizes.min()), int(sizes.max())
-        if hi > lo:
+        if hi > lo and quiet[qbatch == lo].mean() > 0:
             bratio = float(quiet[qbatch == hi].mean() / quiet[qbatch == lo].mean())
     return Signals(n, waiting, room, max((s.kv_utilization for s in samples), default=None),
                    samples[-1].preemptions - samples[0].preemptions if n else None,

@@ -137,6 +137,24 @@ def test_compute_bound() -> None:
     assert c.kind == "compute" and "2.0x from 1 to 2" in c.evidence
 
 
+def test_tokens_in_bursts_count_per_token() -> None:
+    # several decode steps to a call: A's tokens arrive 4 at a time (microseconds apart), one
+    # call a second; B's prompt (sent at 2.2, first token at 2.9) overlaps only A's gap 2..3.
+    # Raw gaps would set that whole second beside the near-zero gaps inside bursts; per token
+    # every gap is 1/4 s, so nothing is slower while B's prompt runs.
+    a = tuple(t + k * 1e-6 for t in (1.0, 2.0, 3.0, 4.0, 5.0) for k in range(4))
+    sig = signals([_rec(0, 0.0, a), _rec(1, 2.2, (2.9, 3.9))], [])
+    assert sig.prefill_itl_ratio == approx(1.0)
+    assert all(f.kind != "prefill-interference" for f in diagnose(sig, local=True))
+    # one delta carrying 4 tokens counts the same as 4 deltas in a burst
+    t = (1.0, 2.0, 3.0, 4.0, 5.0)
+    a4 = RequestTimeline(0, 0.0, 0.0, t, (4,) * 5, 5.0, 20)
+    assert signals([a4, _rec(1, 2.2, (2.9, 3.9))], []).prefill_itl_ratio == approx(1.0)
+    # and a slower gap still shows: 2 s for A's 4 tokens while B's prompt runs
+    a4 = RequestTimeline(0, 0.0, 0.0, (1.0, 2.0, 4.0, 5.0, 6.0), (4,) * 5, 6.0, 20)
+    assert signals([a4, _rec(1, 2.2, (3.9, 4.9))], []).prefill_itl_ratio == approx(2.0)
+
+
 def test_nothing_limits_a_light_load() -> None:
     sig = signals([_rec(0, 0.0, (1.0, 2.0, 3.0))], _samples([(0.1, 0, 0)] * 3))
     assert sig.batch_itl_ratio is None and sig.prefill_itl_ratio is None
