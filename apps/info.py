@@ -24,7 +24,10 @@ def parse_size(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise RequestError(f"--memory {text!r}: give a size such as 8GB, 16GiB or 512MB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise RequestError(f"--memory {text!r}: the size must be more than 0 bytes, such as 8GB")
+    return size
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

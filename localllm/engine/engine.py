@@ -78,6 +78,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         self.max_model_len = min(sched.max_model_len or cfg.context_length, cfg.context_length)
+        if sched.max_model_len > cfg.context_length:
+            log.warning("max model length %d is more than the %d tokens this model was trained "
+                        "on; serving %d", sched.max_model_len, cfg.context_length,
+                        cfg.context_length)
         per_block = kv_bytes_per_token(cfg, loaded.model.dtype) * cache.block_size
         if cache.num_blocks:
             num_blocks = cache.num_blocks
@@ -127,7 +131,9 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt has {n} tokens but the context holds {self.max_model_len} "
                 f"({n - self.max_model_len + 1} too many, leaving room for one new token); "
-                f"shorten the prompt or raise --max-model-len")
+                + ("shorten the prompt or raise --max-model-len"
+                   if self.max_model_len < self.loaded.config.context_length else
+                   "shorten the prompt (that is the model's whole context)"))
         if self.bm.blocks_needed(n + 1) > self.num_blocks:
             raise RequestError(
                 f"the prompt has {n} tokens but the KV cache holds only "

@@ -264,6 +264,21 @@ def test_prompt_longer_than_context(capsys: pytest.CaptureFixture[str],
     assert "context holds 32" in line and "--max-model-len" in line
 
 
+def test_max_model_len_past_the_models_context(capsys: pytest.CaptureFixture[str],
+                                               caplog: pytest.LogCaptureFixture,
+                                               stories_path: Path) -> None:
+    # stories260K was trained on 2048 tokens: a longer --max-model-len is refused with a
+    # warning, and a prompt over 2048 tokens is told it exceeds the model's whole context
+    rc, out, err = cli(capsys, "generate", "-m", str(stories_path), "--max-model-len", "5000",
+                       *SMALL_KV, "--temperature", "0", LONG_PROMPT * 30)
+    assert rc == 2 and out == ""
+    assert "max model length 5000 is more than the 2048 tokens this model was trained on; " \
+        "serving 2048" in caplog.text
+    line = the_error_line(err)
+    assert "context holds 2048" in line and "the model's whole context" in line
+    assert "--max-model-len" not in line
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

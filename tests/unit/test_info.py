@@ -175,6 +175,8 @@ def test_sizes_and_bandwidth() -> None:
     assert parse_size("16") == 16 * GB
     with pytest.raises(RequestError, match="--memory"):
         parse_size("lots")
+    with pytest.raises(RequestError, match="more than 0 bytes"):
+        parse_size("0GB")
     assert measure_bandwidth(8 << 20, repeat=2) > 1e8  # any machine copies 100 MB/s
 
 
