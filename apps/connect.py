@@ -18,8 +18,9 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, metavar="URL",
                    help="use an OpenAI-compatible server instead of loading a model here: "
                    "http(s)://host:port[/v1] (vLLM, SGLang, llama-server, `localllm serve "
-                   "--port`) or unix:/path/to.sock (`localllm serve`'s socket); --model then "
-                   "names the server's model (default: the first it lists)")
+                   "--port`) or unix:/path/to.sock (`localllm serve`'s socket; `unix:` alone: "
+                   "the one it listens on by default); --model then names the server's model "
+                   "(default: the first it lists)")
     p.add_argument("--api-key", default=None,
                    help="API key for --endpoint (default: $LOCALLLM_API_KEY, then "
                    "$OPENAI_API_KEY)")

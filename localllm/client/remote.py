@@ -1,6 +1,7 @@
 """`Client` over an OpenAI-compatible server, through the official `openai` client.
 
-`endpoint` is `unix:/path/to.sock` (our `serve`'s socket) or an `http(s)://host:port` URL, with
+`endpoint` is `unix:/path/to.sock` (our `serve`'s socket; `unix:` alone: the socket `serve`
+listens on by default) or an `http(s)://host:port` URL, with
 or without the trailing `/v1`. llama.cpp's and vLLM's sampling fields (`top_k`, `min_p`,
 `repetition_penalty`) travel in the request body where they differ from their neutral values.
 """
@@ -24,9 +25,10 @@ def _split_endpoint(endpoint: str) -> tuple[str, str | None]:
     """(base URL ending in /v1, Unix socket path or None)."""
     if endpoint.startswith("unix:"):
         path = endpoint.removeprefix("unix:").removeprefix("//")
-        if not path:
-            raise LocalLLMError("--endpoint unix: needs a socket path, e.g. "
-                                "unix:/run/user/1000/localllm/localllm.sock")
+        if not path:  # serve's default socket
+            from localllm.server.transport import default_socket_path
+
+            path = str(default_socket_path())
         return "http://localhost/v1", path
     if not endpoint.startswith(("http://", "https://")):
         raise LocalLLMError(f"--endpoint {endpoint!r}: give an http(s):// URL or "
@@ -77,6 +79,7 @@ class RemoteClient(Client):
         self.endpoint = endpoint
         self.extra_body = dict(extra_body or {})  # more JSON fields for every request
         base, uds = _split_endpoint(endpoint)
+        self._where = f"unix:{uds}" if uds else base  # for errors
         transport = httpx2.AsyncHTTPTransport(uds=uds) if uds else None
         self._http = openai.DefaultAsyncHttpxClient(transport=transport, timeout=timeout)
         self.api = openai.AsyncOpenAI(base_url=base, api_key=api_key or "unused",
@@ -101,6 +104,9 @@ class RemoteClient(Client):
     async def _describe(self) -> None:
         try:
             listing = await self.api.models.list()
+        except openai.APIConnectionError as e:
+            raise ClientError(f"cannot reach the server at {self._where}: {e.message} (is it "
+                              f"running? `localllm serve` prints where it listens)") from None
         except openai.APIError as e:
             raise _failure(e) from None
         entries = list(listing.data)

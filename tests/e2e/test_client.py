@@ -146,3 +146,16 @@ def test_tokenize_route(stories_server: ServeProcess, local: LocalClient) -> Non
         r = http.post("/tokenize", json={"model": "stories260K"})
         assert r.status_code == 400 and "'prompt'" in r.json()["error"]["message"]
         assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_unix_alone_is_serves_default_socket(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from localllm.client.remote import _split_endpoint
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    expected = tmp_path / "localllm" / "localllm.sock"
+    assert _split_endpoint("unix:") == ("http://localhost/v1", str(expected))
+    assert _split_endpoint("unix:/x/y.sock") == ("http://localhost/v1", "/x/y.sock")
+    with pytest.raises(ClientError, match="cannot reach") as e:  # no serve there
+        _remote("unix:")
+    assert str(expected) in str(e.value)
