@@ -98,6 +98,12 @@ class LLMEngine:
                                store=self.store, kv_window=loaded.config.kv_window())
         # NOTE: no sequence may outgrow the KV pool: it would be preempted and retried forever.
         max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
+        if max_seq_len < self.max_model_len:
+            whole = -(-self.max_model_len // cache.block_size) * per_block / 2**30
+            log.warning("the KV cache holds %d tokens, fewer than the %d-token context: a "
+                        "request stops there (finish reason length); --kv-cache-memory %.2f "
+                        "holds a whole context", max_seq_len, self.max_model_len,
+                        math.ceil(whole * 100) / 100)
         self.scheduler = Scheduler(sched, self.bm, max_seq_len)
         self.sampler = Sampler(loaded.backend)
         self.stats = EngineStats()

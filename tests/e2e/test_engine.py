@@ -152,8 +152,14 @@ def test_preemption_matches_unpreempted(stories_path: Path,
                                       for r in reqs)
 
 
-def test_sequence_longer_than_kv_pool_stops_with_length(stories_path: Path) -> None:
+def test_sequence_longer_than_kv_pool_stops_with_length(stories_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     llm = make_llm(stories_path, num_blocks=2)  # 32 tokens
+    # said at start: float32 stories260K KV is 5 layers x 2 x 4 heads x 8 x 4 bytes a token;
+    # a whole 2048-token context is 2.5 MiB = 0.0024 GiB
+    assert ("the KV cache holds 32 tokens, fewer than the 2048-token context: a request stops "
+            "there (finish reason length); --kv-cache-memory 0.01 holds a whole context"
+            in caplog.text)
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     req = llm.engine.add_request(llm.encode("Once upon a time"), params)
     for _ in range(100):
