@@ -9,13 +9,17 @@ import math
 from collections.abc import Callable
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """A whole number >= `low`."""
     def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        n = _whole(text)
         if n < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
         return n
@@ -35,10 +39,7 @@ def positive_number(text: str) -> float:
 
 def tcp_port(text: str) -> int:
     """A TCP port: 1..65535, or 0 for any free one (the startup line shows which)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    n = _whole(text)
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in 1..65535 (0: any free "
                                          f"port), got {text}")
