@@ -12,6 +12,7 @@ user's cache directory nor get prefixes stored by other tests.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +23,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["LOCALLLM_PREFIX_CACHE"] = "0"
 
-from localllm.model_path import INSTALL_HINT, default_model_path
-
 ROOT = Path(__file__).resolve().parents[1]
+# `python -m pytest` puts the checkout's root on sys.path, where kernels/, models/ and apps/
+# (installed as localllm.kernels, ...) would shadow top-level packages of the same names:
+# transformers imports the `kernels` package it depends on and found ours instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+
+from localllm.model_path import INSTALL_HINT, default_model_path  # noqa: E402
+
 SHARED_MODELS = ROOT.parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K.gguf"
 
