@@ -22,13 +22,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from localllm.engine.prefix_cache import BlockKey, block_hash  # noqa: E402
-from localllm.engine.prefix_entry import StoreIdentity  # noqa: E402
-from localllm.engine.prefix_store import PrefixStore  # noqa: E402
+from localllm.engine.prefix_cache import BlockKey, block_hash
+from localllm.engine.prefix_entry import StoreIdentity
+from localllm.engine.prefix_store import PrefixStore
 
 IDENTITY = StoreIdentity(fingerprint="test-weights", backend="cpu", kv_dtype="float32",
                          block_size=4, num_layers=2, num_kv_heads=2, head_dim=8,
