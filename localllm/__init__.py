@@ -1,7 +1,12 @@
 """localllm: a single-process local LLM runtime."""
 
-from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
+from typing import TYPE_CHECKING
+
 from localllm.errors import LocalLLMError, ModelLoadError, RequestError, TemplateError
+
+if TYPE_CHECKING:
+    from localllm.config import CacheConfig, SamplingParams, SchedulerConfig
+    from localllm.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -16,11 +21,18 @@ __all__ = [
     "TemplateError",
 ]
 
+_CONFIG_NAMES = ("CacheConfig", "SamplingParams", "SchedulerConfig")
+
 
 def __getattr__(name: str) -> object:
-    # LLM pulls in torch and the engine; import it only when asked for.
+    # These pull in torch (and LLM the engine): import them only when asked for, so that
+    # `localllm --help` is quick and the CLI's Ctrl-C handling is in place before torch loads.
     if name == "LLM":
         from localllm.llm import LLM
 
         return LLM
+    if name in _CONFIG_NAMES:
+        import localllm.config
+
+        return getattr(localllm.config, name)
     raise AttributeError(name)

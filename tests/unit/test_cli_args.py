@@ -3,12 +3,15 @@ usage error, exit status 2, one `error:` line naming the option and the value, n
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from localllm import LLM
 from localllm.apps.cli import build_parser
+from localllm.apps.cli import main as cli_main
 from localllm.config import SchedulerConfig
 from localllm.errors import RequestError
 
@@ -75,3 +78,26 @@ def test_the_python_api_refuses_them_too(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len must not be negative"):
         SchedulerConfig(max_model_len=-5)
     assert SchedulerConfig(max_model_len=0).max_model_len == 0  # the model's context
+
+
+def test_the_console_script_starts_without_torch() -> None:
+    # Ctrl-C while torch was imported at start (before main's handler) printed a traceback;
+    # the package's top level now imports it only when a command or the API needs it
+    code = ("import sys, localllm.apps.cli, localllm; assert 'torch' not in sys.modules; "
+            "from localllm import CacheConfig, SamplingParams, SchedulerConfig, LLM; "
+            "assert SamplingParams(max_tokens=3).max_tokens == 3 and LLM.__name__ == 'LLM'; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ok\n"
+
+
+def test_ctrl_c_while_loading_is_exit_130_without_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("localllm.llm.LLM", interrupted)
+    assert cli_main(["generate", "hi"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
