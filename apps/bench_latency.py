@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from localllm.apps.bench_output import FORMATS, Column, render
-from localllm.errors import RequestError
+from localllm.errors import ModelLoadError, RequestError
 
 TEXT = ("The committee met on Tuesday to discuss the budget for the new library. Members argued "
         "about the number of reading rooms and the size of the children's section. ")
@@ -162,10 +162,29 @@ def _check(args: argparse.Namespace) -> None:
         raise RequestError("-r, -b and --step-tokens must be at least 1")
 
 
+def _context_length(model: str | None) -> int:
+    """The model's context length, from its file's header or config.json (nothing loaded)."""
+    from localllm.gguf.config import config_from_gguf
+    from localllm.gguf.reader import GGUFFile
+    from localllm.hf.config import config_from_hf
+    from localllm.hf.loader import read_config
+    from localllm.model_path import find_model
+
+    path = find_model(model)
+    if path.is_dir():
+        return config_from_hf(read_config(path)).context_length
+    gf = GGUFFile(path)
+    try:
+        return config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors
+                                ).context_length
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{gf.path}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from localllm.config import CacheConfig
+    from localllm.config import CacheConfig, SchedulerConfig
     from localllm.engine.latency import blocks_per_seq
     from localllm.llm import LLM
     from localllm.loader import stderr_progress
@@ -173,18 +192,23 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     max_len = max(args.depth) + max(args.n_prompt, args.n_gen)
+    context = _context_length(args.model)
+    if max_len > context:  # said before loading
+        raise RequestError(f"depth {max(args.depth)} + {max(args.n_prompt, args.n_gen)} "
+                           f"tokens exceed the model's context of {context}; "
+                           "lower -d, -p or -n")
     blocks = max(args.batch_size) * blocks_per_seq(max_len, 16)
+    # the engine's context is the runs' longest sequence, which the pool holds: no warning
+    # about a pool smaller than the model's context (whose advice, --kv-cache-memory, does not
+    # apply here)
     llm = LLM(args.model, dtype=args.dtype, cache=CacheConfig(num_blocks=blocks,
                                                               prefix_cache=False),
+              scheduler=SchedulerConfig(max_model_len=max_len),
               num_threads=args.threads, quantize=args.quantize, device=args.device,
               backend=args.backend, progress=stderr_progress("loading"))
     print(f"[{llm.path.name}: {llm.backend.name} backend on {llm.backend.device.type}, "
           f"{llm.engine.kv_summary()}]", file=sys.stderr)
     cfg = llm.config
-    if max_len > cfg.context_length:
-        raise RequestError(f"depth {max(args.depth)} + {max(args.n_prompt, args.n_gen)} "
-                           f"tokens exceed the model's context of {cfg.context_length}; "
-                           "lower -d, -p or -n")
     quant, types = _quant(llm.path, cfg.tie_word_embeddings, args.quantize)
     base = {"machine": describe(llm.backend.name, llm.backend.device),
             "model": {"path": str(llm.path), "file": llm.path.name, "name": cfg.name,
