@@ -151,8 +151,10 @@ class GGUFFile:
         cur = _Cursor(self._map)
         cur.pos = 4
         version = cur.take("<I")
-        if version not in (2, 3):
-            raise _Corrupt(f"unsupported GGUF version {version} (localllm reads versions 2 and 3)")
+        if version not in (2, 3):  # a whole file of another format version: not corrupt
+            raise ModelLoadError(f"{self.path}: GGUF version {version} is not supported "
+                                 "(localllm reads versions 2 and 3, which llama.cpp's converter "
+                                 "writes); convert the model again")
         n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
         if n_tensors > len(self._map) or n_kv > len(self._map):
             raise _Corrupt(f"header claims {n_tensors} tensors and {n_kv} keys")

@@ -495,6 +495,19 @@ def test_corrupt(kind: str, good: WrittenModel, tmp_path: Path) -> None:
         expect_load_error(p)
 
 
+@pytest.mark.parametrize("version", [1, 4])
+def test_other_gguf_version_is_not_called_corrupt(version: int, good: WrittenModel,
+                                                  tmp_path: Path) -> None:
+    # an intact file of another format version: no "corrupt or truncated, download it again"
+    p = copy_of(good, tmp_path)
+    patch(p, 4, struct.pack("<I", version))
+    with pytest.raises(ModelLoadError) as info:
+        load(p)
+    assert_one_line_error(info.value, p, f"GGUF version {version} is not supported (localllm "
+                          "reads versions 2 and 3")
+    assert "corrupt" not in str(info.value) and "download" not in str(info.value)
+
+
 def test_corrupt_scalar_array_count_fails_fast(good: WrittenModel, tmp_path: Path) -> None:
     # gguf.GGUFReader walked such a count item by item past the end of the file (hours for
     # 2**40); GGUFFile must bound counts by the file size.
