@@ -97,6 +97,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.cache_command == "path":
         print(root)
         return 0
+    if root.exists() and not root.is_dir():
+        print(f"localllm: error: prefix cache {root}: not a directory; give a directory with "
+              "--prefix-cache-dir", file=sys.stderr)
+        return 2
     if not root.is_dir():
         print(f"prefix cache {root}: empty")
         return 0
@@ -135,15 +139,18 @@ def _stats_or_clear(args: argparse.Namespace, root: Path) -> int:
     print(f"prefix cache {root}: {sum(u.entries for u in usage)} entries, {human(total)}")
     if not usage:
         return 0
-    print(f"{'model':<34} {'backend':<7} {'kv dtype':<9} {'entries':>8} {'tokens':>9} "
+    names = {u.model: f"{idents[u.model].get('model_name') or '?'} ({u.model[:12]})"
+             for u in usage}
+    width = max(34, *map(len, names.values()))  # a long file name widens the column
+    print(f"{'model':<{width}} {'backend':<7} {'kv dtype':<9} {'entries':>8} {'tokens':>9} "
           f"{'size':>10} {'hit rate':>8}  last used")
     for u in usage:
         ident = idents[u.model]
-        name = f"{ident.get('model_name') or '?'} ({u.model[:12]})"
+        name = names[u.model]
         block = int(str(ident.get("block_size", 0)))
         tokens = str(u.entries * block) if block else "?"
         rate = f"{100 * u.hits / u.lookups:.1f}%" if u.lookups else "-"
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(u.last_used)) if u.entries else "-"
-        print(f"{name:<34} {ident.get('backend', '?')!s:<7} {ident.get('kv_dtype', '?')!s:<9} "
+        print(f"{name:<{width}} {ident.get('backend', '?')!s:<7} {ident.get('kv_dtype', '?')!s:<9} "
               f"{u.entries:>8} {tokens:>9} {human(u.bytes):>10} {rate:>8}  {when}")
     return 0

@@ -136,6 +136,15 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _memory(n: int) -> str:
+    """--memory as given: decimal units (8 GB, 0.512 GB), binary ones (16 GiB), else bytes."""
+    if n % 10**6 == 0:
+        return f"{n / 1e9:g} GB"
+    if n % 2**20 == 0:
+        return f"{n / 2**30:g} GiB"
+    return f"{n:,} bytes"
+
+
 def _count(n: float) -> str:
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -167,7 +176,7 @@ def render(info: dict[str, Any]) -> str:
         parts = ", ".join(f"{m} {mods[m] / 2**20:.2f}" for m in MODULES if m in mods)
         lines.append(f"  {b:<8}{_mib(mods['total']):>14}  ({parts} MiB)")
     lines += ["", f"KV cache      {kv['bytes_per_token']:,} bytes/token ({kv['dtype']}); in "
-              f"{kv['memory'] / 1e9:g} GB beside the {kv['backend']} weights: "
+              f"{_memory(kv['memory'])} beside the {kv['backend']} weights: "
               f"{kv['tokens']:,} tokens, one session up to {kv['context']:,}, "
               f"{kv['sessions']} sessions of {kv['session_len']:,}"]
     pre, dec = f["prefill"], f["decode"]

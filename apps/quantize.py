@@ -37,7 +37,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     res = quantize_gguf(args.src, args.output, args.type, progress)
     if res.kept_f32:
-        print(f"kept F32 (rows not a multiple of 32): {', '.join(res.kept_f32)}",
+        print(f"kept F32 (row length not a multiple of 32): {', '.join(res.kept_f32)}",
               file=sys.stderr)
     print(f"{args.src} ({_mib(res.in_bytes)}) -> {res.out} ({_mib(res.out_bytes)}, "
           f"{args.type.lower()}) in {res.seconds:.1f} s", file=sys.stderr)

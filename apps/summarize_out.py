@@ -35,11 +35,23 @@ def settings_hash(settings: dict[str, Any]) -> str:
     return sha256(json.dumps(settings, sort_keys=True, default=str).encode())
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (`os.umask` would, for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
 def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename; the file gets the mode
+    a plain `open` would give it (mkstemp's temporary file is 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

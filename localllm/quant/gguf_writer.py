@@ -56,7 +56,7 @@ class QuantizeResult(NamedTuple):
     out_bytes: int
     seconds: float
     types: dict[str, str]  # tensor name -> type written
-    kept_f32: list[str]  # matrices left F32 because their rows are not a multiple of 32
+    kept_f32: list[str]  # matrices left F32: their row length is not a multiple of 32
 
 
 def parse_target(name: str) -> tuple[GGMLType, int]:

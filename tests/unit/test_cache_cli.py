@@ -87,6 +87,31 @@ def test_generate_options_stats_and_clear(capsys: pytest.CaptureFixture[str], tm
     assert out.splitlines() == [f"prefix cache {store}: 0 entries, 0 B"]
 
 
+def test_stats_columns_line_up_with_a_long_file_name(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path,
+                                                     models: tuple[Path, Path]) -> None:
+    store = tmp_path / "store"
+    long = tmp_path / "SmolLM2-135M-Instruct-with-a-long-name.Q4_1.gguf"
+    long.write_bytes(models[0].read_bytes())
+    generate(capsys, long, "--prefix-cache-dir", str(store))
+    generate(capsys, models[1], "--prefix-cache-dir", str(store))
+    rc, out, _ = cli(capsys, "cache", "stats", "--prefix-cache-dir", str(store))
+    header, *rows = out.splitlines()[1:]
+    assert rc == 0 and len(rows) == 2
+    column = header.index("backend")
+    for row in rows:  # every row's backend starts under the header's
+        assert row[column:].startswith("cpu ") and row[column - 1] == " ", out
+
+
+def test_stats_of_a_file_is_an_error(capsys: pytest.CaptureFixture[str],
+                                     models: tuple[Path, Path]) -> None:
+    for command in ("stats", "clear"):
+        rc, out, err = cli(capsys, "cache", command, "--prefix-cache-dir", str(models[0]))
+        assert (rc, out) == (2, "")
+        assert err == (f"localllm: error: prefix cache {models[0]}: not a directory; give a "
+                       "directory with --prefix-cache-dir\n")
+
+
 def _model_ids(store: Path, name: str) -> list[str]:
     import sqlite3
 

@@ -154,6 +154,11 @@ def test_cli_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli_main(["info", "--model", str(path), "--memory", "1GiB"]) == 0
     text = capsys.readouterr().out
     assert "parameters    112,832" in text and "KV cache      256 bytes/token" in text
+    assert "in 1 GiB beside the" in text  # as given, not "in 1.07374 GB"
+    for memory, shown in (("8GB", "8 GB"), ("512MB", "0.512 GB"), ("1.5GiB", "1.5 GiB"),
+                          ("1000b", "1,000 bytes")):
+        assert cli_main(["info", str(path), "--memory", memory]) == 0
+        assert f"in {shown} beside the" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "origin"), [

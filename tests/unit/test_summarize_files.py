@@ -119,3 +119,21 @@ def test_names_given_twice_and_missing_paths(tmp_path: Path) -> None:
         discover([str(tmp_path / "nope")])
     with pytest.raises(LocalLLMError, match="only once"):
         discover(["-", "-"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_outputs_get_the_mode_of_a_plain_open(tmp_path: Path, umask: int) -> None:
+    from localllm.apps.summarize_out import write_atomic
+
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "out" / "a.md", "# a\n")
+        with open(tmp_path / "plain.md", "w") as f:
+            f.write("# a\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out" / "a.md").read_text() == "# a\n"
+    # summaries were 0600 whatever the umask (mkstemp's mode)
+    mode = (tmp_path / "out" / "a.md").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.md").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["a.md"]  # no temporary left
