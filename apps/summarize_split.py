@@ -129,7 +129,8 @@ class Summarizer:
             raise LocalLLMError(
                 f"the context ({context} tokens) leaves {max(budget, 0)} tokens of text per "
                 f"request, too few to combine summaries of up to {self.params.max_tokens} "
-                f"tokens: raise --max-model-len or lower --max-words/--max-tokens")
+                f"tokens: lower --max-words/--max-tokens (or raise --max-model-len where it is "
+                f"below the model's context)")
         return budget
 
     async def ask(self, user: str, tally: list[int]) -> str:

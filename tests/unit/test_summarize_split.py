@@ -127,7 +127,8 @@ def test_short_text_is_one_request_and_tiny_context_is_refused() -> None:
     assert (summary.parts, summary.rounds, summary.requests) == (1, 0, 1)
     from localllm.errors import LocalLLMError
 
-    with pytest.raises(LocalLLMError, match="raise --max-model-len or lower --max-words"):
+    with pytest.raises(LocalLLMError,
+                       match=r"lower --max-words/--max-tokens \(or raise --max-model-len where"):
         asyncio.run(Summarizer(Scripted(40), "Summarize.", params, 2).budget("a"))
 
 
