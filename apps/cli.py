@@ -48,15 +48,28 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     add_store_args(p)
 
 
-def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=temperature)
+def _sampling_args(p: argparse.ArgumentParser, temperature: float,
+                   max_tokens: str = "256") -> None:
+    """The sampling options; `max_tokens`: how --help states its default."""
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help=f"tokens to generate at most (default: {max_tokens})")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0: greedy (default: {temperature:g})")
     # llama.cpp's defaults: without truncation a small model samples from the long tail
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=40, help="0: off")
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling: the smallest set of tokens holding this much "
+                   "probability (default: 0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="the k most likely tokens; 0: off "
+                   "(default: 40)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below this share of the likeliest one's probability "
+                   "(default: 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalize tokens already in the context (a positive logit is divided "
+                   "by it, a negative one multiplied); 1: off (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the same seed, prompt and settings give the same text (default: "
+                   "random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

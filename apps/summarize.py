@@ -23,7 +23,7 @@ def add_parser(sub: Any, model_args: Any, sampling_args: Any) -> None:
     s = sub.add_parser("summarize", help="summarize files, folders and stdin",
                        description="Summarize files, folders (recursive) and stdin (-).")
     model_args(s)
-    sampling_args(s, temperature=0.0)
+    sampling_args(s, temperature=0.0, max_tokens="twice --max-words plus 16")
     s.set_defaults(max_tokens=None)  # from --max-words
     add_endpoint_args(s)
     s.add_argument("paths", nargs="+", metavar="PATH", help="a file, a folder, or - for stdin")

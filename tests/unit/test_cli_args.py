@@ -101,3 +101,21 @@ def test_ctrl_c_while_loading_is_exit_130_without_traceback(
     monkeypatch.setattr("localllm.llm.LLM", interrupted)
     assert cli_main(["generate", "hi"]) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "defaults"), [
+    ("generate", ["(default: 256)", "(default: 0.8)", "(default: 0.95)", "(default: 40)",
+                  "(default: 0.05)", "(default: 1.0)", "(default: random)"]),
+    ("chat", ["(default: 0.7)"]),
+    ("summarize", ["(default: twice --max-words plus 16)", "(default: 0)"]),
+])
+def test_help_states_the_sampling_defaults(command: str, defaults: list[str]) -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    text = " ".join(sub.format_help().split())  # as one line: help wraps anywhere
+    for d in defaults:
+        assert d in text
+    # and they are the defaults the parser gives
+    args = sub.parse_args(["x"] if command != "chat" else [])
+    if command == "generate":
+        assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p,
+                args.repeat_penalty, args.seed) == (256, 0.8, 0.95, 40, 0.05, 1.0, None)
