@@ -157,11 +157,14 @@ def render(info: dict[str, Any]) -> str:
 
     c, p, w, kv, f, bw = (info[k] for k in ("config", "params", "weights", "kv", "flops",
                                               "bandwidth"))
-    lines = [f"{info['model']['path']} ({info['model']['format']}) {c['name']}",
+    theta = c["rope_theta"]
+    lines = [" ".join(filter(None, (info["model"]["path"], f"({info['model']['format']})",
+                                    c["name"]))),
              f"architecture  {c['arch']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
              f"{c['num_heads']} heads / {c['num_kv_heads']} KV heads of {c['head_dim']}, "
              f"MLP {c['intermediate_size']}, vocab {c['vocab_size']}, context "
-             f"{c['context_length']}, RoPE base {c['rope_theta']:g}"
+             f"{c['context_length']:,}, RoPE base "
+             f"{f'{int(theta):,}' if float(theta).is_integer() else f'{theta:g}'}"
              f"{', tied head' if c['tie_word_embeddings'] else ''}",
              "", f"parameters    {p['total']:,} ({_count(p['total'])})"]
     for m in MODULES:
@@ -178,7 +181,7 @@ def render(info: dict[str, Any]) -> str:
     lines += ["", f"KV cache      {kv['bytes_per_token']:,} bytes/token ({kv['dtype']}); in "
               f"{_memory(kv['memory'])} beside the {kv['backend']} weights: "
               f"{kv['tokens']:,} tokens, one session up to {kv['context']:,}, "
-              f"{kv['sessions']} sessions of {kv['session_len']:,}"]
+              f"{kv['sessions']:,} sessions of {kv['session_len']:,}"]
     pre, dec = f["prefill"], f["decode"]
     lines += [f"FLOPs/token   at context {f['context']:,}: prefill {_count(pre['total'])} "
               f"(attention {_count(pre['attention'])}), decode {_count(dec['total'])} "

@@ -14,7 +14,7 @@ from gguf_factory import ModelSpec, vocab, write_model
 from held_bytes import held_bytes
 
 from localllm.apps.cli import main as cli_main
-from localllm.apps.info import model_info, parse_size
+from localllm.apps.info import model_info, parse_size, render
 from localllm.backends import make_backend
 from localllm.errors import RequestError
 from localllm.kernels import cpu_native
@@ -216,6 +216,11 @@ def test_hf_folder_by_hand(tmp_path: Path) -> None:
     for backend in ("cpu", "torch", "triton"):
         assert info["weights"]["loaded"][backend]["total"] == 12512 * 4
     assert info["kv"]["bytes_per_token"] == 2 * 1 * 2 * 8 * 4 == 128
+    # a folder whose config names no model: the first line ends with the format, and numbers
+    # are grouped as elsewhere
+    text = render(info)
+    assert text.splitlines()[0] == f"{tmp_path} (huggingface)"
+    assert "context 128, RoPE base 10,000" in text
 
 
 def test_sliding_windows_cap_attention_flops_and_kv_reads() -> None:
