@@ -112,8 +112,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _stats_or_clear(args: argparse.Namespace, root: Path) -> int:
-    from localllm.engine.prefix_index import clear_models, open_index
+    from localllm.engine.prefix_index import INDEX_NAME, clear_models, open_index
 
+    had_index = (root / INDEX_NAME).exists()
     try:
         index = open_index(root)  # rebuilds a missing or broken index from the entries
     except sqlite3.OperationalError:
@@ -124,6 +125,11 @@ def _stats_or_clear(args: argparse.Namespace, root: Path) -> int:
         usage = index.usage()
     finally:
         index.close()
+    if not had_index and not usage:  # no cache here: leave the folder as it was
+        for suffix in ("", "-wal", "-shm", ".lock"):
+            (root / (INDEX_NAME + suffix)).unlink(missing_ok=True)
+        print(f"prefix cache {root}: empty")
+        return 0
     idents = {u.model: json.loads(u.identity) if u.identity else {} for u in usage}
     if args.cache_command == "clear":
         chosen = [u for u in usage

@@ -112,6 +112,17 @@ def test_stats_of_a_file_is_an_error(capsys: pytest.CaptureFixture[str],
                        "directory with --prefix-cache-dir\n")
 
 
+def test_a_folder_that_is_no_cache_is_left_as_it_was(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "todo.txt").write_text("buy milk")
+    for command in ("stats", "clear"):
+        rc, out, _ = cli(capsys, "cache", command, "--prefix-cache-dir", str(folder))
+        assert (rc, out) == (0, f"prefix cache {folder}: empty\n")
+        assert sorted(p.name for p in folder.iterdir()) == ["todo.txt"]
+
+
 def _model_ids(store: Path, name: str) -> list[str]:
     import sqlite3
 
