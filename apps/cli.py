@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from localllm.apps.arg_types import at_least, positive_number
 from localllm.apps.cache import add_store_args, cache_config
 from localllm.apps.connect import add_endpoint_args
+from localllm.apps.sampling_args import add_sampling_args, sampling_params
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:  # the functions below import them when called
@@ -48,31 +49,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     add_store_args(p)
 
 
-def _sampling_args(p: argparse.ArgumentParser, temperature: float,
-                   max_tokens: str = "256") -> None:
-    """The sampling options; `max_tokens`: how --help states its default."""
-    p.add_argument("--max-tokens", type=int, default=256,
-                   help=f"tokens to generate at most (default: {max_tokens})")
-    p.add_argument("--temperature", type=float, default=temperature,
-                   help=f"0: greedy (default: {temperature:g})")
-    # llama.cpp's defaults: without truncation a small model samples from the long tail
-    p.add_argument("--top-p", type=float, default=0.95,
-                   help="nucleus sampling: the smallest set of tokens holding this much "
-                   "probability (default: 0.95)")
-    p.add_argument("--top-k", type=int, default=40, help="the k most likely tokens; 0: off "
-                   "(default: 40)")
-    p.add_argument("--min-p", type=float, default=0.05,
-                   help="drop tokens below this share of the likeliest one's probability "
-                   "(default: 0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="penalize tokens already in the context (a positive logit is divided "
-                   "by it, a negative one multiplied); 1: off (default: 1.0)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="the same seed, prompt and settings give the same text (default: "
-                   "random)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localllm", description="Local LLM runtime")
     parser.add_argument("--verbose", "-v", action="store_true", help="log engine details")
@@ -80,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     _model_args(g)
-    _sampling_args(g, temperature=0.8)
+    add_sampling_args(g, temperature=0.8)
     g.add_argument("--chat", action="store_true",
                    help="treat PROMPT as one user message put through the chat template")
     g.add_argument("prompt", metavar="PROMPT")
@@ -93,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive chat in the terminal")
     _model_args(c)
-    _sampling_args(c, temperature=0.7)
+    add_sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--resume", nargs="?", const="", default=None, metavar="NAME",
                    help="continue a saved conversation (without NAME: the most recent; "
@@ -108,21 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize.add_parser(sub)
     add_serve_parser(sub, _model_args)
-    summarize.add_parser(sub, _model_args, _sampling_args)
+    summarize.add_parser(sub, _model_args, add_sampling_args)
     cache.add_parser(sub)
     info.add_parser(sub)
     bench.add_parser(sub, _model_args)
     return parser
-
-
-def _sampling(args: argparse.Namespace) -> SamplingParams:
-    from localllm.config import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
-        seed=args.seed, stop=tuple(args.stop),
-    )
 
 
 def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
@@ -151,15 +117,15 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    params = sampling_params(args)  # a bad value is refused before the model loads
     llm = load_llm(args)
     try:
-        return _generate(args, llm, t0)
+        return _generate(args, params, llm, t0)
     finally:
         llm.close()  # the prefix cache's last blocks reach the disk
 
 
-def _generate(args: argparse.Namespace, llm: LLM, t0: float) -> int:
-    params = _sampling(args)
+def _generate(args: argparse.Namespace, params: SamplingParams, llm: LLM, t0: float) -> int:
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else llm.encode(args.prompt))
     t1 = time.perf_counter()
@@ -237,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             from localllm.apps.chat import run_chat
 
-            return run_chat(args, load_llm, _sampling(args))
+            return run_chat(args, load_llm, sampling_params(args))
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
         return 2

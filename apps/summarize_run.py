@@ -13,6 +13,7 @@ import time
 from typing import Any, NamedTuple
 
 from localllm.apps.connect import LoadFn, open_client
+from localllm.apps.sampling_args import sampling_params
 from localllm.apps.summarize_files import Source, Unreadable, decode, discover, read_source
 from localllm.apps.summarize_out import OutDir, entry, settings_hash, sha256
 from localllm.apps.summarize_progress import Progress
@@ -30,11 +31,7 @@ class Job(NamedTuple):
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
-    max_tokens = args.max_tokens or 2 * args.max_words + 16
-    return SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repeat_penalty, seed=args.seed,
-                          stop=tuple(args.stop))
+    return sampling_params(args, args.max_tokens or 2 * args.max_words + 16)
 
 
 def check(args: argparse.Namespace) -> None:

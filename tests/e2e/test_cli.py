@@ -282,17 +282,18 @@ def test_max_model_len_past_the_models_context(capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--top-p", "0"], "top_p must be in (0, 1]"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--temperature", "nan"], "temperature must be a finite number, got nan"),
-        (["--repeat-penalty", "inf"], "repetition_penalty must be a finite number, got inf"),
-        (["--max-tokens", "0"], "max_tokens must be at least 1"),
-        (["--stop", ""], "stop strings must not be empty"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+        (["--repeat-penalty", "inf"], "--repeat-penalty must be a finite number, got inf"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--stop", ""], "--stop strings must not be empty"),
     ],
 )
-def test_bad_sampling_options(capsys: pytest.CaptureFixture[str], stories_path: Path,
+def test_bad_sampling_options(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                               args: list[str], message: str) -> None:
-    rc, out, err = cli(capsys, "generate", "-m", str(stories_path), *args, STORY)
+    # named by the option, and refused before the model loads: the model is not even there
+    rc, out, err = cli(capsys, "generate", "-m", str(tmp_path / "absent.gguf"), *args, STORY)
     assert rc == 2
     assert out == ""
     assert message in the_error_line(err)
