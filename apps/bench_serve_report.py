@@ -34,6 +34,16 @@ def _ms(s: Stat | None) -> str:
     return "".join(f"{1000 * v:9.1f}" for v in s)
 
 
+def itl_note(s: ServeSummary) -> str | None:
+    """A line under the table when tokens came in bursts: half the gaps under a quarter of
+    the time per token (several decode steps to a call, or a client reading queued deltas)."""
+    if s.itl is None or s.tpot is None or s.itl.p50 >= 0.25 * s.tpot.mean:
+        return None
+    return (f"ITL: tokens arrived in bursts (the median gap {1000 * s.itl.p50:.1f} ms is inside "
+            f"one); TPOT ({1000 * s.tpot.mean:.1f} ms mean) is the time per token, ITL p90/p99 "
+            "the pauses between bursts")
+
+
 def text(card: ModelCard, run: RunResult, s: ServeSummary, e: EngineSummary | None,
          slo: Slo, findings: list[Finding], load: str) -> str:
     lines = [f"bench serve · {card.banner()}",
@@ -53,7 +63,8 @@ def text(card: ModelCard, run: RunResult, s: ServeSummary, e: EngineSummary | No
         lines.append(f"prefix cache: {100 * s.prefix_hit_rate:.0f}% of prompt tokens reused")
     lines += ["", f"{'(ms)':8}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}",
               f"{'TTFT':8}{_ms(s.ttft)}", f"{'ITL':8}{_ms(s.itl)}",
-              f"{'TPOT':8}{_ms(s.tpot)}", f"{'E2E':8}{_ms(s.e2e)}", ""]
+              f"{'TPOT':8}{_ms(s.tpot)}", f"{'E2E':8}{_ms(s.e2e)}"]
+    lines += [note for note in (itl_note(s),) if note] + [""]
     if e is None:
         lines.append("engine: the server exports no engine state at /metrics")
     else:

@@ -176,3 +176,20 @@ def test_machine_of_a_remote_run() -> None:
     assert m["cores"] and m["cpu"] and m["runs_on"] == "here"
     assert m["backend"] == "none here"  # the model runs in the server
     json.dumps(m)
+
+
+def test_a_note_explains_bursty_itl() -> None:
+    from localllm.apps.bench_serve_report import itl_note
+    from localllm.bench.summary import summarize
+    from localllm.bench.timeline import RequestTimeline
+
+    def rec(times: tuple[float, ...]) -> RequestTimeline:
+        return RequestTimeline(0, 0.0, 0.0, times, (1,) * len(times), times[-1], len(times))
+
+    # 4 tokens a call, a call every 40 ms: the median gap is inside a burst
+    bursts = tuple(0.1 + 0.04 * c + 1e-5 * k for c in range(5) for k in range(4))
+    note = itl_note(summarize([rec(bursts)]))
+    assert note is not None and note.startswith("ITL: tokens arrived in bursts")
+    assert "TPOT (8.4 ms mean)" in note  # 160 ms from the first token to the last, 19 more
+    # one token a step: no note
+    assert itl_note(summarize([rec(tuple(0.1 + 0.01 * i for i in range(20)))])) is None
