@@ -25,7 +25,15 @@ from localllm.server.state import ServerState
 
 access = logging.getLogger("localllm.access")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/api/chat", "/api/generate",
-          "/api/tags", "/api/show", "/api/ps", "/api/version", "/health", "/metrics", "/")
+          "/api/tags", "/api/show", "/api/ps", "/api/version", "/tokenize", "/health",
+          "/metrics", "/")
+
+
+def route_label(path: str) -> str:
+    """The `route` label of `localllm_http_requests_total`: the route, or "other"."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return path if path in ROUTES else "other"
 
 
 def over_tcp(scope: Scope) -> bool:
@@ -111,8 +119,7 @@ class LocalAPIMiddleware:
 
     def _log(self, scope: Scope, info: dict[str, Any], seconds: float) -> None:
         path = scope.get("path", "")
-        self.state.metrics.http.labels(path if path in ROUTES else "other",
-                                       str(info["status"])).inc()
+        self.state.metrics.http.labels(route_label(path), str(info["status"])).inc()
         if not access.isEnabledFor(logging.INFO):
             return
         client = scope.get("client")

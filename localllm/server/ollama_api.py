@@ -49,9 +49,12 @@ def _common_checks(state: ServerState, body: ChatRequest | GenerateRequest) -> N
 
 
 def _params(state: ServerState, options: Options | None, prompt_len: int) -> Any:
+    """As Ollama, `num_predict` left out, negative or past the context runs to the context's
+    end (clients send their own default, such as 4096, whatever the model's context)."""
     o = options or Options()
     n = o.num_predict
-    max_tokens = None if n is None or n < 0 else state.max_tokens(n, prompt_len, "num_predict")
+    past_end = n is None or n < 0 or n > state.max_model_len
+    max_tokens = None if past_end else state.max_tokens(n, prompt_len, "num_predict")
     return sampling_params(Sampling(
         state.max_tokens(max_tokens, prompt_len), o.temperature, o.top_p, o.top_k, o.min_p,
         o.repeat_penalty, o.seed, o.stop), 1)[0]
@@ -216,6 +219,8 @@ async def generate(request: Request) -> Response:
         raise APIError(400, "template is not supported; the model's chat template is used "
                        "(or none with raw)")
     tok = state.llm.tokenizer
+    if body.suffix == "" and state.fim is None:
+        body.suffix = None  # as Ollama: an empty suffix asks for no fill-in-the-middle
     if not body.prompt and body.suffix is None:  # a client loading the model
         return JSONResponse({"model": state.model_name, "created_at": now_iso(), "response": "",
                              "done_reason": "load", "done": True})

@@ -71,12 +71,15 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> tuple[list[list[i
     return [state.llm.encode(t) for t in texts], texts
 
 
-def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict[str, Any]:
+def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprobs],
+                        start: int = 0) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice; `text_offset` counts from `start` (where these tokens
+    begin in the choice's text: a streamed chunk continues from the ones before it)."""
     def text(token_id: int) -> str:
         return tok.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
     tokens = [text(lp.token_id) for lp in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
@@ -141,6 +144,7 @@ async def _stream(state: ServerState, jobs: list[tuple[list[int], Any]], echo: l
                   log: dict[str, Any]) -> AsyncIterator[bytes]:
     tok = state.llm.tokenizer
     choices = [ChoiceState() for _ in jobs]
+    offset = [0] * len(jobs)  # text_offset of each choice's next token
     extra = {"usage": None} if include_usage else {}
 
     def chunk(i: int, text: str, reason: str | None = None, lps: Any = None) -> bytes:
@@ -158,8 +162,10 @@ async def _stream(state: ServerState, jobs: list[tuple[list[int], Any]], echo: l
                     yield error_event(f"generation failed: {out.error or 'unknown error'}")
                     yield SSE_DONE
                     return
-                lps = (completion_logprobs(tok, out.logprobs) if logprobs and out.logprobs
-                       else None)
+                lps = None
+                if logprobs and out.logprobs:
+                    lps = completion_logprobs(tok, out.logprobs, offset[i])
+                    offset[i] += sum(len(t) for t in lps["tokens"])
                 if out.text or lps is not None or out.finished:
                     yield chunk(i, out.text, out.finish_reason if out.finished else None, lps)
     except EngineDeadError as e:

@@ -3,8 +3,9 @@
 
 Fields beyond OpenAI's, as llama.cpp and vLLM name them: `top_k`, `min_p`, `repeat_penalty`
 (or `repetition_penalty`), `ignore_eos`. Fields OpenAI has that change nothing here are accepted
-(`user`, `metadata`, `store`, ...); those this server cannot honour are accepted only at their
-neutral value and refused otherwise by the routes (`frequency_penalty`, `logit_bias`, ...).
+(`user`, `safety_identifier`, `prompt_cache_key`, `metadata`, `store`, ...); those this server
+cannot honour are accepted only at their neutral value and refused otherwise by the routes
+(`frequency_penalty`, `logit_bias`, ...).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`
+    prompt_cache_key: str | None = None  # a hint for OpenAI's cache routing
+    prompt_cache_retention: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -36,7 +36,8 @@ def _pick(value: float | int | None, name: str) -> float:
 
 
 def sampling_params(s: Sampling, max_n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice (seeds seed, seed+1, ...); APIError 400 when out of range."""
+    """One SamplingParams per choice (seeds seed, seed+1, ...; a negative top_k is 0, off);
+    APIError 400 when out of range."""
     if not 1 <= s.n <= max_n:
         raise APIError(400, f"n must be in 1..{max_n}, got {s.n}", "n")
     stop = (s.stop,) if isinstance(s.stop, str) else tuple(s.stop or ())
@@ -45,7 +46,8 @@ def sampling_params(s: Sampling, max_n: int) -> list[SamplingParams]:
     try:
         return [SamplingParams(
             max_tokens=s.max_tokens, temperature=_pick(s.temperature, "temperature"),
-            top_k=int(_pick(s.top_k, "top_k")), top_p=_pick(s.top_p, "top_p"),
+            top_k=max(0, int(_pick(s.top_k, "top_k"))),  # -1: off, as in vLLM and llama.cpp
+            top_p=_pick(s.top_p, "top_p"),
             min_p=_pick(s.min_p, "min_p"),
             repetition_penalty=_pick(s.repeat_penalty, "repeat_penalty"),
             seed=None if s.seed is None else s.seed + i, stop=stop, ignore_eos=s.ignore_eos,

@@ -89,13 +89,18 @@ class ServerState:
 
     def check_prompt(self, prompt_ids: list[int], param: str = "messages") -> None:
         """APIError 400 for a prompt the engine would refuse (empty, longer than the context,
-        ids outside the vocabulary); 503 once the server is shutting down."""
+        ids outside the vocabulary), with code "context_length_exceeded" only when it is too
+        long (clients shorten the prompt on that code); 503 once the server is shutting down."""
         if self.closing:
             raise APIError(503, "the server is shutting down")
         try:
             self.llm.engine.check_prompt(prompt_ids)
         except RequestError as e:
-            raise APIError(400, str(e), param, "context_length_exceeded") from None
+            engine, n = self.llm.engine, len(prompt_ids)
+            too_long = (n >= engine.max_model_len
+                        or engine.bm.blocks_needed(n + 1) > engine.num_blocks)
+            raise APIError(400, str(e), param,
+                           "context_length_exceeded" if too_long else None) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         """The tokens to generate at most: as requested (1 to the context length; generation

@@ -20,7 +20,7 @@ import pytest
 from gguf_factory import ModelSpec, write_model
 
 from localllm import LLM, SamplingParams
-from localllm.engine.engine import RequestOutput
+from localllm.engine.engine import RequestOutput, TokenLogprobs
 from localllm.engine.metrics import EngineSnapshot
 from localllm.server.runner import make_server
 from localllm.server.state import ServeOptions, ServerState
@@ -48,16 +48,19 @@ class ScriptedEngine:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.aborted: set[str] = set()
+        self.params: list[SamplingParams] = []  # of every request, in order
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         rid = request_id or "x"
+        self.params.append(params)
         text = self.llm.tokenizer.decode(prompt_ids)
         key = next((k for k in ("spaced", "fail", "forever", "weather") if k in text), "hello")
         pieces = SCRIPTS.get(key, [])
+        lps = None if params.logprobs is None else [TokenLogprobs(5, -0.5, ((5, -0.5),))]
         for piece in pieces:
             await asyncio.sleep(0.002)
-            yield RequestOutput(rid, piece, [5], False, None, None)
+            yield RequestOutput(rid, piece, [5], False, None, None, lps)
         while key == "forever" and rid not in self.aborted:
             await asyncio.sleep(0.005)
             yield RequestOutput(rid, "la ", [5], False, None, None)
@@ -266,3 +269,77 @@ def test_shutdown_ends_open_streams_with_abort(tmp_path: Path) -> None:
     assert got[-1]["choices"][0]["finish_reason"] == "abort"
     assert len(engine.aborted) == 1 and time.monotonic() - t0 >= 0.3
     assert not thread.is_alive()
+
+
+def test_only_a_prompt_too_long_has_code_context_length_exceeded(
+        served: tuple[Path, ScriptedEngine]) -> None:
+    # clients (LiteLLM, LangChain) shorten the prompt or switch models on that code
+    with client(served[0]) as c:
+        codes = [c.post("/v1/completions", json={"prompt": p}).json()["error"]["code"]
+                 for p in ([5] * 5000, [5, 10**6])]
+    assert codes == ["context_length_exceeded", None]
+
+
+def test_openai_fields_that_change_nothing_are_accepted(
+        served: tuple[Path, ScriptedEngine]) -> None:
+    # the official client sends these; OpenAI made safety_identifier the successor of user
+    extra = {"user": "u", "safety_identifier": "s", "prompt_cache_key": "k",
+             "prompt_cache_retention": "24h"}
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", json=ask("hello", **extra))
+    assert r.status_code == 200, r.text
+
+
+def test_ollama_num_predict_past_the_context_runs_to_its_end(
+        served: tuple[Path, ScriptedEngine]) -> None:
+    engine = served[1]
+    with client(served[0]) as c:
+        r = c.post("/api/generate", json={"prompt": "hello", "raw": True, "stream": False,
+                                          "options": {"num_predict": 100_000}})
+        assert r.status_code == 200, r.text
+        prompt = r.json()["prompt_eval_count"]
+        assert engine.params[-1].max_tokens == 4096 - prompt
+        r = c.post("/api/chat", json={"messages": [{"role": "user", "content": "hello"}],
+                                      "stream": False, "options": {"num_predict": 5000}})
+        assert r.status_code == 200, r.text
+
+
+def test_top_k_of_minus_one_is_off(served: tuple[Path, ScriptedEngine]) -> None:
+    # vLLM's and llama.cpp's way to turn top-k off
+    with client(served[0]) as c:
+        r = c.post("/v1/chat/completions", json=ask("hello", top_k=-1))
+    assert r.status_code == 200, r.text
+    assert served[1].params[-1].top_k == 0
+
+
+def test_streamed_text_offsets_continue_across_chunks(
+        served: tuple[Path, ScriptedEngine]) -> None:
+    body = {"prompt": "hello", "logprobs": 1}
+    with client(served[0]) as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        chunks = events(c.post("/v1/completions", json={**body, "stream": True}))
+    streamed = [o for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+                for o in ch["choices"][0]["logprobs"]["text_offset"]]
+    assert len(whole["text_offset"]) == 3 and whole["text_offset"][1] > 0
+    assert streamed == whole["text_offset"]
+
+
+def test_metrics_name_every_route(served: tuple[Path, ScriptedEngine]) -> None:
+    with client(served[0]) as c:
+        c.post("/tokenize", json={"prompt": "hello"})
+        c.get("/v1/models/tiny")
+        c.get("/nowhere")
+        text = c.get("/metrics").text
+    assert 'route="/tokenize",status="200"' in text
+    assert 'route="/v1/models/{model}",status="200"' in text
+    assert 'route="other",status="404"' in text
+
+
+def test_ollama_empty_suffix_on_a_model_without_fim_is_a_plain_prompt(
+        served: tuple[Path, ScriptedEngine]) -> None:
+    # Ollama fills in the middle only for a non-empty suffix; editors send "" at a file's end
+    with client(served[0]) as c:
+        r = c.post("/api/generate", json={"prompt": "hello", "suffix": "", "stream": False})
+        bad = c.post("/api/generate", json={"prompt": "hello", "suffix": "x", "stream": False})
+    assert r.status_code == 200 and r.json()["response"] == "Hello there.", r.text
+    assert bad.status_code == 400 and "fill-in-the-middle" in bad.json()["error"]
