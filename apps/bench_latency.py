@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from localllm.apps.bench_output import FORMATS, Column, render
-from localllm.errors import ModelLoadError, RequestError
+from localllm.errors import RequestError
 
 TEXT = ("The committee met on Tuesday to discuss the budget for the new library. Members argued "
         "about the number of reading rooms and the size of the children's section. ")
@@ -164,7 +164,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _context_length(model: str | None) -> int:
     """The model's context length, from its file's header or config.json (nothing loaded)."""
-    from localllm.gguf.config import config_from_gguf
+    from localllm.gguf.config import config_of_file
     from localllm.gguf.reader import GGUFFile
     from localllm.hf.config import config_from_hf
     from localllm.hf.loader import read_config
@@ -173,12 +173,7 @@ def _context_length(model: str | None) -> int:
     path = find_model(model)
     if path.is_dir():
         return config_from_hf(read_config(path)).context_length
-    gf = GGUFFile(path)
-    try:
-        return config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors
-                                ).context_length
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{gf.path}: {e}") from None
+    return config_of_file(GGUFFile(path)).context_length
 
 
 def run(args: argparse.Namespace) -> int:

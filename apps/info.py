@@ -74,7 +74,7 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
                context: int, bandwidth: float | None) -> dict[str, Any]:
     """Every figure of `localllm info` as plain values (bytes, counts, FLOPs, bytes/s)."""
     from localllm.config import DTYPES
-    from localllm.gguf.config import config_from_gguf
+    from localllm.gguf.config import config_of_file
     from localllm.gguf.reader import GGUFFile
     from localllm.hf.config import config_from_hf
     from localllm.hf.loader import read_config
@@ -96,7 +96,7 @@ def model_info(path: Path, dtype_name: str, backend: str, memory: int, sessions_
         fmt = "huggingface"
     else:
         gf = GGUFFile(path)
-        cfg = config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors)
+        cfg = config_of_file(gf)
         entries = gguf_entries(gf)
         fmt = "gguf"
     context = context or cfg.context_length

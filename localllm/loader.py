@@ -17,7 +17,7 @@ import torch
 from localllm.backends import make_backend
 from localllm.config import ModelConfig
 from localllm.errors import ModelLoadError
-from localllm.gguf.config import config_from_gguf
+from localllm.gguf.config import config_of_file
 from localllm.gguf.reader import GGUFFile, TensorInfo
 from localllm.gguf.tensors import module_name, qtype_name
 from localllm.layers.backend import Backend
@@ -208,10 +208,7 @@ def _load_gguf(path: str | os.PathLike[str], dtype: torch.dtype,
         quantized = dtype == torch.bfloat16
     gf = GGUFFile(path)
     src = str(gf.path)
-    try:
-        cfg = config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{src}: {e}") from None
+    cfg = config_of_file(gf)
     tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=src)
     for key in _TOKENIZER_ARRAYS:  # built: ~10 MB of Python objects not needed while loading
         gf.metadata.pop(key, None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localllm.config import (
     SUPPORTED_ARCHS,
@@ -33,9 +33,20 @@ from localllm.config import (
 )
 from localllm.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from localllm.gguf.reader import GGUFFile
+
 NEOX_ARCHS = ("gemma2", "gemma3", "phi3", "qwen2", "qwen3")
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer (the last of each n) is global
+
+
+def config_of_file(gf: GGUFFile) -> ModelConfig:
+    """The config of an opened GGUF file (`config_from_gguf`); an error names the file."""
+    try:
+        return config_from_gguf(gf.metadata, has_output="output.weight" in gf.tensors)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{gf.path}: {e}") from None
 
 
 def config_from_gguf(meta: dict[str, Any], n_vocab_fallback: int = 0,
