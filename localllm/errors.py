@@ -15,3 +15,7 @@ class TemplateError(LocalLLMError):
 
 class RequestError(LocalLLMError):
     """A request is invalid (for example a prompt longer than the context)."""
+
+
+class PromptTooLong(RequestError):
+    """A prompt does not fit the context or the KV cache (API clients shorten it on this)."""

@@ -18,7 +18,7 @@ from localllm.engine.prefix_store import open_store
 from localllm.engine.request import FinishReason, Request, RequestStatus
 from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from localllm.errors import RequestError
+from localllm.errors import PromptTooLong, RequestError
 from localllm.loader import LoadedModel
 from localllm.memory import release_free_memory
 from localllm.text.detokenizer import IncrementalDetokenizer, StopChecker
@@ -129,19 +129,20 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests in and out
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        """Raise RequestError when `add_request` would refuse these prompt ids; thread-safe."""
+        """Raise RequestError when `add_request` would refuse these prompt ids (PromptTooLong
+        where they do not fit the context or the KV cache); thread-safe."""
         n = len(prompt_ids)
         if not n:
             raise RequestError("the prompt is empty; give at least one token of text")
         if n >= self.max_model_len:
-            raise RequestError(
+            raise PromptTooLong(
                 f"the prompt has {n} tokens but the context holds {self.max_model_len} "
                 f"({n - self.max_model_len + 1} too many, leaving room for one new token); "
                 + ("shorten the prompt or raise --max-model-len"
                    if self.max_model_len < self.loaded.config.context_length else
                    "shorten the prompt (that is the model's whole context)"))
         if self.bm.blocks_needed(n + 1) > self.num_blocks:
-            raise RequestError(
+            raise PromptTooLong(
                 f"the prompt has {n} tokens but the KV cache holds only "
                 f"{self.num_blocks * self.block_size}; raise --kv-cache-memory")
         vocab = self.loaded.config.vocab_size

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from localllm.config import SamplingParams
 from localllm.engine.engine import RequestOutput
 from localllm.engine.metrics import EngineSnapshot
-from localllm.errors import RequestError
+from localllm.errors import PromptTooLong, RequestError
 from localllm.llm import LLM
 from localllm.server.errors import APIError
 from localllm.server.metrics import ServerMetrics
@@ -96,11 +96,8 @@ class ServerState:
         try:
             self.llm.engine.check_prompt(prompt_ids)
         except RequestError as e:
-            engine, n = self.llm.engine, len(prompt_ids)
-            too_long = (n >= engine.max_model_len
-                        or engine.bm.blocks_needed(n + 1) > engine.num_blocks)
-            raise APIError(400, str(e), param,
-                           "context_length_exceeded" if too_long else None) from None
+            code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+            raise APIError(400, str(e), param, code) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         """The tokens to generate at most: as requested (1 to the context length; generation
