@@ -1,7 +1,8 @@
 """The ASGI application of `localllm serve`: Starlette routes for the OpenAI- and
-Ollama-compatible APIs and operations, behind `LocalAPIMiddleware` (API key, body limit, access
-log). Every error is JSON in the style of the API it concerns, with the status that fits; an
-unexpected failure answers that one request with a 500 and leaves the others running.
+Ollama-compatible APIs, llama-server's `/completion` and `/infill`, and operations, behind
+`LocalAPIMiddleware` (API key, body limit, access log). Every error is JSON in the style of the
+API it concerns, with the status that fits; an unexpected failure answers that one request with
+a 500 and leaves the others running.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from localllm.server import info, ollama_api
+from localllm.server import info, llamacpp_api, ollama_api
 from localllm.server.common import access_log
 from localllm.server.errors import APIError, error_response
 from localllm.server.middleware import LocalAPIMiddleware
@@ -37,6 +38,8 @@ ROUTES = [
     Route("/api/show", info.show, methods=["POST"]),
     Route("/api/ps", info.ps, methods=["GET"]),
     Route("/api/version", info.version, methods=["GET"]),
+    Route("/completion", llamacpp_api.completion, methods=["POST"]),
+    Route("/infill", llamacpp_api.infill, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/health", info.health, methods=["GET"]),
     Route("/metrics", info.metrics, methods=["GET"]),

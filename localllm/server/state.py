@@ -79,6 +79,13 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.llm.engine.max_model_len
 
+    @property
+    def prompt_capacity(self) -> int:
+        """Tokens a prompt and its completion can take together: the context, or the KV cache
+        where that is smaller."""
+        e = self.llm.engine
+        return min(e.max_model_len, e.num_blocks * e.block_size)
+
     # ----------------------------------------------------------------- requests
     def check_model(self, name: str | None, param: str = "model") -> None:
         """A request may name the served model (with or without an Ollama `:tag`) or none."""
@@ -118,6 +125,11 @@ class ServerState:
         self.closing = True
         loop = asyncio.get_running_loop()
         loop.call_later(self.options.shutdown_timeout, self.abort_all)
+
+    def abort_job(self, request_id: str, index: int) -> None:
+        """End job `index` of `generate(jobs, request_id)` while the others run on (its stream
+        then ends with finish reason "abort")."""
+        self.engine.abort(f"{request_id}-{index}")
 
     def abort_all(self) -> None:
         for rid in list(self.active):

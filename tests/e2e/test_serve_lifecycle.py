@@ -12,34 +12,13 @@ import stat
 import threading
 from pathlib import Path
 
-import gguf
 import pytest
-from gguf_factory import ModelSpec, vocab, write_model
+from fim_model import write_fim_model
 from serve_util import ServeProcess
 
 from localllm import LLM, SamplingParams
 from localllm.apps.cli import main
-from localllm.text.fim import FimTokens, fim_prompt
-
-FIM_TEXTS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
-
-
-def write_fim_model(path: Path) -> FimTokens:
-    """The tiny test model with three FIM control tokens declared in its metadata."""
-    tokens, scores, types = vocab()
-    first = len(tokens)
-    tokens += FIM_TEXTS
-    scores += [0.0] * 3
-    types += [int(gguf.TokenType.CONTROL)] * 3
-    n = len(tokens)
-    write_model(path, ModelSpec(
-        keys={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-              "tokenizer.ggml.token_type": types, "llama.vocab_size": n,
-              "tokenizer.ggml.fim_pre_token_id": first,
-              "tokenizer.ggml.fim_suf_token_id": first + 1,
-              "tokenizer.ggml.fim_mid_token_id": first + 2},
-        shapes={"token_embd.weight": (n, 32), "output.weight": (n, 32)}))
-    return FimTokens(first, first + 1, first + 2)
+from localllm.text.fim import fim_prompt
 
 
 def test_serve_from_start_to_sigterm(tmp_path: Path) -> None:
@@ -87,6 +66,24 @@ def test_serve_from_start_to_sigterm(tmp_path: Path) -> None:
                 "raw": True, "options": {"temperature": 0, "num_predict": 6}}).json()
             assert o["context"][:len(ids)] == ids
             assert "insert" in c.post("/api/show", json={"model": "fim"}).json()["capabilities"]
+            # llama-server's /infill (llama.vim's request) and /completion: the same text
+            infill = c.post("/infill", json={
+                "input_prefix": "def add(a, b):", "input_suffix": "\n    return c",
+                "input_extra": [], "prompt": "", "n_predict": 6, "temperature": 0,
+                "ignore_eos": True, "samplers": ["top_k", "top_p", "infill"],
+                "cache_prompt": True, "t_max_prompt_ms": 500, "response_fields": [
+                    "content", "timings/prompt_n", "tokens_cached", "truncated"]}).json()
+            # the same prompt went in before: its whole blocks come from the prefix cache
+            cached = (len(ids) - 1) // 16 * 16
+            assert cached > 0
+            assert infill == {"content": expected.text, "timings/prompt_n": len(ids) - cached,
+                              "tokens_cached": cached, "truncated": False}
+            plain = llm.generate([llm.encode("hello")], SamplingParams(
+                max_tokens=5, temperature=0, ignore_eos=True))[0]
+            done = c.post("/completion", json={"prompt": "hello", "n_predict": 5,
+                                               "temperature": 0, "ignore_eos": True}).json()
+            assert done["content"] == plain.text and done["stop_type"] == "limit"
+            assert done["tokens_predicted"] == 5
 
         # SIGTERM while a stream is open: it still ends properly, the socket file goes
         lines: list[str] = []

@@ -11,17 +11,16 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from gguf_factory import ModelSpec, write_model
+from scripted_server import ScriptedEngine, client, running
 
-from localllm import LLM, SamplingParams
-from localllm.engine.engine import RequestOutput, TokenLogprobs
-from localllm.engine.metrics import EngineSnapshot
+from localllm import LLM
 from localllm.server.runner import make_server
 from localllm.server.state import ServeOptions, ServerState
 from localllm.text.chat_template import ChatTemplate
@@ -29,50 +28,9 @@ from localllm.text.chat_template import ChatTemplate
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 TEMPLATE = TEMPLATES / "qwen2.5-instruct.jinja"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-SCRIPTS = {
-    "weather": ["Let me ", "check.", "\n<tool", "_call>\n{\"name\": \"get_", "weather\", ",
-                "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"],
-    "hello": ["Hel", "lo ", "there."],
-    "fail": ["Par", "tial"],
-    "spaced": ["No tool ", "needed.", "\n", "  "],
-}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {
         "type": "string"}}}}}
-
-
-class ScriptedEngine:
-    """Answers from SCRIPTS by a keyword of the prompt; 'fail' ends in an engine error,
-    'forever' runs until aborted."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.aborted: set[str] = set()
-        self.params: list[SamplingParams] = []  # of every request, in order
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        rid = request_id or "x"
-        self.params.append(params)
-        text = self.llm.tokenizer.decode(prompt_ids)
-        key = next((k for k in ("spaced", "fail", "forever", "weather") if k in text), "hello")
-        pieces = SCRIPTS.get(key, [])
-        lps = None if params.logprobs is None else [TokenLogprobs(5, -0.5, ((5, -0.5),))]
-        for piece in pieces:
-            await asyncio.sleep(0.002)
-            yield RequestOutput(rid, piece, [5], False, None, None, lps)
-        while key == "forever" and rid not in self.aborted:
-            await asyncio.sleep(0.005)
-            yield RequestOutput(rid, "la ", [5], False, None, None)
-        reason = {"fail": "error", "forever": "abort"}.get(key, "stop")
-        yield RequestOutput(rid, "", [], True, reason,
-                            "RuntimeError: boom" if key == "fail" else None)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.add(request_id)
-
-    def stats(self) -> EngineSnapshot:
-        return EngineSnapshot(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -83,22 +41,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Scr
     engine = ScriptedEngine(llm)
     state = ServerState(llm, engine, "tiny", ServeOptions(shutdown_timeout=0.2),
                         template=ChatTemplate(TEMPLATE.read_text()))
-    path = d / "s.sock"
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(path))
-    ready = threading.Event()
-    server = make_server(state, ready.set)
-    thread = threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield path, engine
-    server.should_exit = True
-    thread.join(30)
-
-
-def client(path: Path) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://x",
-                        timeout=30)
+    with running(state, d / "s.sock"):
+        yield d / "s.sock", engine
 
 
 def events(r: httpx.Response) -> list[Any]:
