@@ -320,7 +320,7 @@ async def infill(request: Request) -> Response:
     _check_options(body)
     fim = state.fim
     if fim is None:
-        raise APIError(400, no_fim_message(state).replace("`suffix`", "/infill"))
+        raise APIError(400, no_fim_message(state, "/infill", " (such as Qwen2.5-Coder)"))
     tok = state.llm.tokenizer
     capacity = state.prompt_capacity
     local = min(LOCAL_BUDGET, capacity // 2)

@@ -33,10 +33,11 @@ from localllm.text.fim import fim_prompt
 from localllm.text.tokenizer import Tokenizer
 
 
-def no_fim_message(state: ServerState) -> str:
+def no_fim_message(state: ServerState, what: str = "`suffix`",
+                   otherwise: str = ", or send the prompt without a suffix") -> str:
     return (f"'{state.model_name}' has no fill-in-the-middle tokens (its vocabulary declares no "
-            f"<fim_prefix>/<fim_suffix>/<fim_middle>), so `suffix` cannot be used; serve a code "
-            f"model trained for infilling, or send the prompt without a suffix")
+            f"<fim_prefix>/<fim_suffix>/<fim_middle>), so {what} cannot be used; serve a code "
+            f"model trained for infilling{otherwise}")
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:

@@ -155,3 +155,4 @@ def test_infill_needs_fim_tokens(tmp_path: Path) -> None:
     assert r.status_code == 400
     assert "has no fill-in-the-middle tokens" in r.json()["error"]["message"]
     assert "/infill cannot be used" in r.json()["error"]["message"]
+    assert "without a suffix" not in r.json()["error"]["message"]
