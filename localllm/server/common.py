@@ -125,9 +125,19 @@ def refuse_unsupported(body: Any) -> None:
     modalities = getattr(body, "modalities", None)
     if modalities and any(m != "text" for m in modalities):
         raise APIError(400, "only the 'text' modality is supported", "modalities")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with \"stream\": true",
+                       "stream_options")
     if body.repeat_penalty is not None and body.repetition_penalty is not None:
         raise APIError(400, "give repeat_penalty or repetition_penalty, not both",
                        "repetition_penalty")
+
+
+def penalty_of(body: Any) -> tuple[float | None, str]:
+    """The repetition penalty a chat or text completion asked for, and the field it used."""
+    if body.repetition_penalty is not None:
+        return body.repetition_penalty, "repetition_penalty"
+    return body.repeat_penalty, "repeat_penalty"
 
 
 def error_event(message: str, kind: str = "server_error") -> bytes:

@@ -25,6 +25,7 @@ from localllm.server.common import (
     error_event,
     event_stream,
     failed,
+    penalty_of,
     refuse_unsupported,
     sse,
     unless_disconnected,
@@ -135,11 +136,11 @@ async def chat_completions(request: Request) -> Response:
     requested = (body.max_completion_tokens if body.max_completion_tokens is not None
                  else body.max_tokens)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    penalty, penalty_field = penalty_of(body)
     params = sampling_params(Sampling(
         state.max_tokens(requested, len(ids), name), body.temperature, body.top_p, body.top_k,
-        body.min_p, body.repeat_penalty if body.repeat_penalty is not None
-        else body.repetition_penalty, body.seed, body.stop, body.n, body.ignore_eos,
-        (body.top_logprobs or 0) if body.logprobs else None), state.options.max_n)
+        body.min_p, penalty, body.seed, body.stop, body.n, body.ignore_eos,
+        (body.top_logprobs or 0) if body.logprobs else None, penalty_field), state.options.max_n)
     rid = state.new_id("chatcmpl")
     meta = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if body.stream:

@@ -20,6 +20,7 @@ from localllm.server.common import (
     error_event,
     event_stream,
     failed,
+    penalty_of,
     refuse_unsupported,
     sse,
     unless_disconnected,
@@ -106,12 +107,12 @@ async def completions(request: Request) -> Response:
     log = access_log(request)
     log.update(prompt_tokens=sum(len(x) for x in prompts), prompt=texts)
     jobs: list[tuple[list[int], Any]] = []
+    penalty, penalty_field = penalty_of(body)
     for ids in prompts:
         params = sampling_params(Sampling(
             state.max_tokens(body.max_tokens, len(ids)), body.temperature, body.top_p,
-            body.top_k, body.min_p, body.repeat_penalty if body.repeat_penalty is not None
-            else body.repetition_penalty, body.seed, body.stop, body.n, body.ignore_eos,
-            body.logprobs), state.options.max_n)
+            body.top_k, body.min_p, penalty, body.seed, body.stop, body.n, body.ignore_eos,
+            body.logprobs, penalty_field), state.options.max_n)
         jobs += [(ids, p) for p in params]
     echo = [texts[k // body.n] if body.echo else "" for k in range(len(jobs))]
     prompt_tokens = sum(len(ids) for ids, _ in jobs)

@@ -29,6 +29,7 @@ class Sampling(NamedTuple):
     n: int = 1
     ignore_eos: bool = False
     logprobs: int | None = None
+    penalty_field: str = "repeat_penalty"  # the name the client gave the penalty
 
 
 def _pick(value: float | int | None, name: str) -> float:
@@ -53,5 +54,5 @@ def sampling_params(s: Sampling, max_n: int) -> list[SamplingParams]:
             seed=None if s.seed is None else s.seed + i, stop=stop, ignore_eos=s.ignore_eos,
             logprobs=s.logprobs) for i in range(s.n)]
     except RequestError as e:
-        name = str(e).split()[0]
-        raise APIError(400, str(e), name) from None
+        message = str(e).replace("repetition_penalty", s.penalty_field)
+        raise APIError(400, message, message.split()[0]) from None

@@ -49,6 +49,16 @@ CASES: list[tuple[str, str, Any, int, str]] = [
      "response_format"),
     ("frequency penalty", CHAT, {"messages": MSGS, "frequency_penalty": 0.5}, 400,
      "repeat_penalty"),
+    ("repeat_penalty of 0", CHAT, {"messages": MSGS, "repeat_penalty": 0}, 400,
+     "repeat_penalty must be positive"),
+    ("repetition_penalty of 0", "/v1/completions", {"prompt": "x", "repetition_penalty": 0},
+     400, "repetition_penalty must be positive"),
+    ("stream_options without stream", CHAT, {"messages": MSGS, "stream_options": {
+        "include_usage": True}}, 400, "stream_options is only allowed with"),
+    ("llama.cpp: unsupported option", "/completion", {"prompt": "x", "grammar": "root ::= x"},
+     400, "grammar is not supported"),
+    ("llama.cpp: infill without FIM tokens", "/infill", {"input_prefix": "a"}, 400,
+     "no fill-in-the-middle tokens"),
     ("tools on a template without them", CHAT, {"messages": MSGS, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "does not take tools"),
     ("suffix without FIM tokens", "/v1/completions", {"prompt": "def f(", "suffix": "\n"}, 400,
