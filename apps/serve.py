@@ -45,6 +45,10 @@ def add_parser(sub: Any, model_args: Any) -> None:
                    help="the model's name in the API (default: the model file's name)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (such as http://localhost:3000, or "
+                   "chrome-extension://ID; '*' for any) call the API from a browser; "
+                   "repeatable (default: none; the API key is still required over TCP)")
     s.add_argument("--log-prompts", action="store_true",
                    help="put prompt text in the access log (default: counts only)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -110,7 +114,8 @@ def cmd_serve(args: argparse.Namespace, load_llm: Any) -> int:
         state = ServerState(llm, engine, args.model_name or _model_name(llm.path),
                             ServeOptions(api_key=key, log_prompts=args.log_prompts,
                                          max_body_bytes=args.max_request_bytes,
-                                         shutdown_timeout=args.shutdown_timeout),
+                                         shutdown_timeout=args.shutdown_timeout,
+                                         cors_origins=tuple(args.cors_origin)),
                             template=template, fim=find_fim_tokens(llm.tokenizer, meta),
                             metadata=meta)
 

@@ -1,8 +1,9 @@
 """The ASGI application of `localllm serve`: Starlette routes for the OpenAI- and
 Ollama-compatible APIs, llama-server's `/completion` and `/infill`, and operations, behind
-`LocalAPIMiddleware` (API key, body limit, access log). Every error is JSON in the style of the
-API it concerns, with the status that fits; an unexpected failure answers that one request with
-a 500 and leaves the others running.
+`LocalAPIMiddleware` (API key, body limit, access log) and, for the origins `--cors-origin`
+names, Starlette's CORS middleware. Every error is JSON in the style of the API it concerns,
+with the status that fits; an unexpected failure answers that one request with a 500 and leaves
+the others running.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -69,4 +71,11 @@ def build_app(state: ServerState) -> ASGIApp:
     app = Starlette(routes=ROUTES, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.serve = state
-    return LocalAPIMiddleware(app, state)
+    guarded = LocalAPIMiddleware(app, state)
+    origins = list(state.options.cors_origins)
+    if not origins:
+        return guarded
+    # outside the API key check: a browser's preflight (OPTIONS) carries no key; the request
+    # it clears still needs one over TCP
+    return CORSMiddleware(guarded, allow_origins=origins, allow_methods=["GET", "POST", "HEAD"],
+                          allow_headers=["Authorization", "Content-Type"], max_age=600)

@@ -50,6 +50,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     shutdown_timeout: float = 10.0  # seconds open streams may run on after SIGTERM/SIGINT
     max_n: int = 16
+    cors_origins: tuple[str, ...] = ()  # web origins browsers may call from ("*": any)
 
 
 @dataclass
