@@ -78,6 +78,16 @@ def test_serve_from_start_to_sigterm(tmp_path: Path) -> None:
             assert cached > 0
             assert infill == {"content": expected.text, "timings/prompt_n": len(ids) - cached,
                               "tokens_cached": cached, "truncated": False}
+            # llama.vim's flow: extra context sent ahead with n_predict 0 fills the prefix
+            # cache; the completion after it reads those blocks from there
+            extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n" * 3}]
+            warm = c.post("/infill", json={"input_extra": extra, "n_predict": 0}).json()
+            assert warm["content"] == "" and warm["tokens_cached"] == 0
+            hole = {"input_prefix": "def mul(a, b):", "input_suffix": "\n", "n_predict": 4,
+                    "input_extra": extra, "temperature": 0}
+            used = c.post("/infill", json=hole).json()
+            shared = warm["tokens_evaluated"] - 2  # all but <fim_suffix><fim_middle>
+            assert used["tokens_cached"] == shared // 16 * 16 > 0
             plain = llm.generate([llm.encode("hello")], SamplingParams(
                 max_tokens=5, temperature=0, ignore_eos=True))[0]
             done = c.post("/completion", json={"prompt": "hello", "n_predict": 5,
