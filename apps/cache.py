@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sqlite3
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from localllm.apps.arg_types import byte_size
+
 if TYPE_CHECKING:
     from localllm.config import CacheConfig
-
-SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4G', '512M', '1.5GiB', '100000' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if m is None or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 500M)")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
-
 
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -42,9 +32,9 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
                    "$LOCALLLM_PREFIX_CACHE_DIR, else the user cache directory)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="neither read nor save prompt prefixes on disk")
-    p.add_argument("--prefix-cache-size", type=parse_size, default=None, metavar="SIZE",
-                   help="size budget of the prefix cache directory, least recently used "
-                   "entries go first (default: 4G)")
+    p.add_argument("--prefix-cache-size", type=byte_size(1, "bytes"), default=None,
+                   metavar="SIZE", help="size budget of the prefix cache directory, least "
+                   "recently used entries go first: 4G (GiB), 500M, 8GB (default: 4G)")
 
 
 def cache_config(args: argparse.Namespace, memory_bytes: int) -> CacheConfig:

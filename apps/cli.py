@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from typing import TYPE_CHECKING
 
-from localllm.apps.arg_types import at_least, positive_number
+from localllm.apps.arg_types import GIB, at_least, byte_size
 from localllm.apps.cache import add_store_args, cache_config
 from localllm.apps.connect import add_endpoint_args
 from localllm.apps.sampling_args import add_sampling_args, sampling_params
@@ -38,8 +37,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=at_least(1), default=None, help="CPU threads")
     p.add_argument("--max-model-len", type=at_least(1), default=0,
                    help="context length to serve (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=positive_number, default=0,
-                   help="KV cache size in GiB (default: up to 1 GiB)")
+    p.add_argument("--kv-cache-memory", type=byte_size(GIB, "GiB"), default=0, metavar="SIZE",
+                   help="KV cache size: 2 or 2G (GiB), 512M, 4GB (default: up to 1 GiB)")
     p.add_argument("--decode-steps", type=at_least(1), default=0,
                    help="decode steps one call may run back to back while every running "
                    "request decodes greedily or samples with a top-k of 1-64, and none waits for "
@@ -96,8 +95,7 @@ def load_llm(args: argparse.Namespace, threads: int | None = None) -> LLM:
     from localllm.llm import LLM
     from localllm.loader import stderr_progress
 
-    # at least a byte: a tiny --kv-cache-memory must not become 0, the default size
-    cache = cache_config(args, math.ceil(args.kv_cache_memory * 2**30))
+    cache = cache_config(args, args.kv_cache_memory)
     default = SchedulerConfig()
     sched = SchedulerConfig(
         max_model_len=args.max_model_len,

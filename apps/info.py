@@ -7,27 +7,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-from localllm.apps.arg_types import at_least, positive_number
+from localllm.apps.arg_types import at_least, byte_size, positive_number
 from localllm.errors import ModelLoadError, RequestError
-
-_UNITS = {"": 10**9, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """"8GB" -> 8e9 bytes, "8GiB" -> 8 * 2**30; a bare number is GB."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise RequestError(f"--memory {text!r}: give a size such as 8GB, 16GiB or 512MB")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise RequestError(f"--memory {text!r}: the size must be more than 0 bytes, such as 8GB")
-    return size
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
                    help="backend whose loaded bytes count for the KV fit and the bound "
                    "(auto: triton with a CUDA GPU, else cpu)")
-    p.add_argument("--memory", default="8GB", help="memory for weights + KV (default: 8GB)")
+    p.add_argument("--memory", type=byte_size(10**9, "GB"), default=8 * 10**9, metavar="SIZE",
+                   help="memory for weights + KV: 16 or 16GB (10^9 bytes), 16G or 16GiB (2^30), "
+                   "512M (default: 8GB)")
     p.add_argument("--sessions-at", type=at_least(1), default=0, metavar="N",
                    help="session length for how many concurrent sessions fit (default: 4096, "
                    "or the model's context where shorter)")
@@ -209,7 +195,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else None
     if args.measure:
         bandwidth = measure_bandwidth()
-    info = model_info(path, args.dtype, _auto_backend(args.backend), parse_size(args.memory),
+    info = model_info(path, args.dtype, _auto_backend(args.backend), args.memory,
                       args.sessions_at, args.context, bandwidth)
     info["bandwidth"]["source"] = ("measured" if args.measure else
                                    "given" if bandwidth else None)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from gguf_factory import ModelSpec, write_model
 
-from localllm.apps.cache import parse_size
-from localllm.apps.cli import main
+from localllm.apps.arg_types import GIB, byte_size
+from localllm.apps.cli import build_parser, main
 from localllm.engine import prefix_store, prefix_writer
 from localllm.engine.prefix_index import StoreIndex
 
@@ -42,12 +42,20 @@ def generate(capsys: pytest.CaptureFixture[str], model: Path, *opts: str) -> tup
     return out, err
 
 
-def test_parse_size() -> None:
-    assert parse_size("4G") == 4 << 30 and parse_size("512M") == 512 << 20
-    assert parse_size("1.5GiB") == 3 << 29 and parse_size("100000") == 100000
-    for bad in ("", "-1G", "4X", "G"):
+def test_sizes_mean_the_same_in_every_option() -> None:
+    parse = byte_size(1, "bytes")
+    assert parse("4G") == 4 << 30 and parse("512M") == 512 << 20 and parse("4g") == 4 << 30
+    assert parse("1.5GiB") == 3 << 29 and parse("100000") == 100000
+    assert parse("8GB") == 8 * 10**9 and parse("1.5kb") == 1500  # decimal with a B
+    assert byte_size(GIB, "GiB")("0.5") == 1 << 29
+    for bad in ("", "-1G", "4X", "G", "0", "0.1b", "1e9"):
         with pytest.raises(argparse.ArgumentTypeError):
-            parse_size(bad)
+            parse(bad)
+    args = build_parser().parse_args
+    assert args(["generate", "--kv-cache-memory", "512M", "x"]).kv_cache_memory == 512 << 20
+    assert args(["generate", "--kv-cache-memory", "2", "x"]).kv_cache_memory == 2 << 30
+    assert args(["generate", "--prefix-cache-size", "2GB", "x"]).prefix_cache_size == 2 * 10**9
+    assert args(["info", "--memory", "2G"]).memory == 2 << 30
 
 
 def test_generate_options_stats_and_clear(capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -18,13 +18,15 @@ from localllm.errors import RequestError
 REFUSED = [
     # (arguments, the error line's end)
     (["generate", "--kv-cache-memory", "-1", "hi"],
-     "argument --kv-cache-memory: must be a positive number, got -1"),
+     "argument --kv-cache-memory: not a size: '-1' (such as 4G, 512M or 8GB; a bare number is "
+     "GiB)"),
     (["generate", "--kv-cache-memory", "0", "hi"],
-     "argument --kv-cache-memory: must be a positive number, got 0"),
+     "argument --kv-cache-memory: must be at least 1 byte, got 0"),
     (["generate", "--kv-cache-memory", "nan", "hi"],
-     "argument --kv-cache-memory: must be a positive number, got nan"),
-    (["generate", "--kv-cache-memory", "lots", "hi"],
-     "argument --kv-cache-memory: invalid float value: 'lots'"),
+     "argument --kv-cache-memory: not a size: 'nan' (such as 4G, 512M or 8GB; a bare number is "
+     "GiB)"),
+    (["info", "--memory", "lots"],
+     "argument --memory: not a size: 'lots' (such as 4G, 512M or 8GB; a bare number is GB)"),
     (["generate", "--threads", "-3", "hi"], "argument --threads: must be at least 1, got -3"),
     (["generate", "--threads", "0", "hi"], "argument --threads: must be at least 1, got 0"),
     (["generate", "--threads", "two", "hi"], "argument --threads: invalid int value: 'two'"),
@@ -63,7 +65,7 @@ def test_values_in_range_parse() -> None:
     parse = build_parser().parse_args
     args = parse(["generate", "--threads", "2", "--max-model-len", "64",
                   "--kv-cache-memory", "0.05", "hi"])
-    assert (args.threads, args.max_model_len, args.kv_cache_memory) == (2, 64, 0.05)
+    assert (args.threads, args.max_model_len, args.kv_cache_memory) == (2, 64, 53687092)
     defaults = parse(["generate", "hi"])  # left out: the model's context, the default KV size
     assert (defaults.threads, defaults.max_model_len, defaults.kv_cache_memory) == (None, 0, 0)
     assert parse(["serve", "--port", "65535"]).port == 65535
