@@ -4,9 +4,10 @@
   or with another key); requests over the Unix socket need none (the socket's mode 0600 lets
   only its owner connect);
 - the body size limit: a body over the limit gets 413 before any route reads it;
-- one access-log line per request once its response has ended: client, method, path, status,
-  time, bytes, and the prompt and completion token counts a route noted (the prompt text only
-  with `--log-prompts`).
+- one access-log line per request once its response has ended: client, method, path, status
+  ("client went away" after it when the client left before the end of the answer), time,
+  bytes, and the prompt and completion token counts a route noted (the prompt text only with
+  `--log-prompts`).
 """
 
 from __future__ import annotations
@@ -71,10 +72,17 @@ class LocalAPIMiddleware:
                 info["status"] = message["status"]
             elif message["type"] == "http.response.body":
                 info["bytes"] += len(message.get("body", b""))
+                info["ended"] = not message.get("more_body", False)
             await send(message)
 
+        async def watched_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not info.get("ended"):
+                info["gone"] = True  # before the whole answer went out
+            return message
+
         try:
-            await self._handle(scope, receive, logged_send)
+            await self._handle(scope, watched_receive, logged_send)
         finally:
             self._log(scope, info, time.perf_counter() - start)
 
@@ -128,7 +136,8 @@ class LocalAPIMiddleware:
         facts: dict[str, Any] = dict(scope.get(LOG_KEY, {}))
         prompt = facts.pop("prompt", None)
         extra = " ".join(f"{k}={v}" for k, v in facts.items())
-        line = (f"{who} {scope.get('method', '')} {path} {info['status']} "
+        gone = " client went away" if info.get("gone") else ""
+        line = (f"{who} {scope.get('method', '')} {path} {info['status']}{gone} "
                 f"{seconds * 1000:.0f}ms {info['bytes']}B {extra}").rstrip()
         if self.state.options.log_prompts and prompt is not None:
             line += " prompt=" + json.dumps(prompt, ensure_ascii=False)

@@ -165,6 +165,8 @@ def test_disconnect_mid_stream_frees_the_blocks(stories_server: ServeProcess) ->
     assert m[key] == before.get(key, 0) + 1
     computed = m["localllm_engine_tokens_total"] - before["localllm_engine_tokens_total"]
     assert computed < 1000  # the engine stopped it well before its max_tokens
+    # the access log says so (the 200 had gone out before)
+    stories_server.wait_for("POST /v1/completions 200 client went away", 10)
     # and the server goes on serving
     out = stories_server.openai().completions.create(prompt="Once", max_tokens=3, **GREEDY)
     assert out.choices[0].finish_reason == "length"
