@@ -190,24 +190,33 @@ static inline __attribute__((always_inline)) __m512 scores16(const uint16_t *con
 /* acc = acc corr + sum_p e[p] V[p] for GN query heads (acc: fp32 at acc + gi * stride, e:
  * their rows of SPAN weights) and W vectors of 16 dims from vector j0 of the V rows, over
  * positions 0..n-1. GN and W are constants in each instance (V_BLOCKS), so that the GN x W
- * sums stay in registers over the positions. */
+ * sums stay in registers over the positions: the loops over them are unrolled outright, for
+ * GCC 12 otherwise kept the array on the stack and stored every sum at every position (the
+ * unrolled form: 0.95x the time of a decode step at 2,040 positions, 0.96x at 512). */
 static inline __attribute__((always_inline)) void v_block(
     float *acc, int64_t stride, const float *corr, float (*e)[SPAN],
     const uint16_t *const *vrow, int64_t n, int64_t j0, const int GN, const int W) {
     __m512 a[4][4];
+#pragma GCC unroll 4
     for (int gi = 0; gi < GN; gi++)
+#pragma GCC unroll 4
         for (int i = 0; i < W; i++)
             a[gi][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + gi * stride + 16 * i),
                                      _mm512_set1_ps(corr[gi]));
     for (int64_t p = 0; p < n; p++) {
         __m512 v[4];
+#pragma GCC unroll 4
         for (int i = 0; i < W; i++) v[i] = load_bf16(vrow[p] + 16 * (j0 + i), 0xFFFF);
+#pragma GCC unroll 4
         for (int gi = 0; gi < GN; gi++) {
             const __m512 ep = _mm512_set1_ps(e[gi][p]);
+#pragma GCC unroll 4
             for (int i = 0; i < W; i++) a[gi][i] = _mm512_fmadd_ps(ep, v[i], a[gi][i]);
         }
     }
+#pragma GCC unroll 4
     for (int gi = 0; gi < GN; gi++)
+#pragma GCC unroll 4
         for (int i = 0; i < W; i++) _mm512_storeu_ps(acc + gi * stride + 16 * i, a[gi][i]);
 }
 
