@@ -42,6 +42,7 @@ ROUTES = [
     Route("/api/version", info.version, methods=["GET"]),
     Route("/completion", llamacpp_api.completion, methods=["POST"]),
     Route("/infill", llamacpp_api.infill, methods=["POST"]),
+    Route("/props", info.props, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/health", info.health, methods=["GET"]),
     Route("/metrics", info.metrics, methods=["GET"]),

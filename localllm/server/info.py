@@ -1,6 +1,7 @@
 """Routes that describe the server: `/health`, `/metrics`, OpenAI's `/v1/models`, Ollama's
 `/api/tags`, `/api/show`, `/api/ps`, `/api/version` (what Zed and Continue read to list the
-model, its context length and its capabilities)."""
+model, its context length and its capabilities), and llama-server's `/props` (its context,
+slots, chat template and default sampling, as llama.cpp's clients read them)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from localllm.model_card import file_size, parameter_count, quantization, size_l
 from localllm.server.errors import parse_body
 from localllm.server.metrics import CONTENT_TYPE
 from localllm.server.ollama_schemas import ShowRequest
+from localllm.server.params import DEFAULTS
 from localllm.server.state import ServerState
 
 
@@ -100,12 +102,28 @@ async def show(request: Request) -> Response:
                          "modified_at": _modified(s)})
 
 
-async def version(request: Request) -> Response:
+def _version() -> str:
     try:
-        v = importlib_metadata.version("localllm")
+        return importlib_metadata.version("localllm")
     except importlib_metadata.PackageNotFoundError:
-        v = "0.0.0"
-    return JSONResponse({"version": v})
+        return "0.0.0"
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": _version()})
+
+
+async def props(request: Request) -> Response:
+    s = _state(request)
+    tok = s.llm.tokenizer
+    return JSONResponse({
+        "default_generation_settings": {"n_ctx": s.max_model_len, "params": {
+            **DEFAULTS, "n_predict": -1, "seed": -1}},
+        "total_slots": s.llm.engine.scheduler.config.max_num_seqs,
+        "model_path": str(s.llm.path), "model_alias": s.model_name, "n_ctx": s.max_model_len,
+        "chat_template": s.chat_template.source, "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token, "modalities": {"vision": False, "audio": False},
+        "infill": s.fim is not None, "build_info": f"localllm {_version()}"})
 
 
 async def root(request: Request) -> Response:

@@ -1,6 +1,7 @@
-"""llama-server's `/completion` and `/infill` over a scripted engine: the answer's fields and
-`response_fields`, streams without [DONE], `samplers`, `n_predict` 0, the FIM prompt with
-extra context within the context, `n_indent` and `t_max_predict_ms`, and what is refused."""
+"""llama-server's `/completion`, `/infill` and `/props` over a scripted engine: the answer's
+fields and `response_fields`, streams without [DONE], `samplers`, `n_predict` 0, the FIM prompt
+with extra context within the context, `n_indent` and `t_max_predict_ms`, and what is
+refused."""
 
 from __future__ import annotations
 
@@ -156,3 +157,14 @@ def test_infill_needs_fim_tokens(tmp_path: Path) -> None:
     assert "has no fill-in-the-middle tokens" in r.json()["error"]["message"]
     assert "/infill cannot be used" in r.json()["error"]["message"]
     assert "without a suffix" not in r.json()["error"]["message"]
+
+
+def test_props(served: Any) -> None:
+    path, _, _, llm = served
+    with client(path) as c:
+        p = c.get("/props").json()
+    assert p["n_ctx"] == p["default_generation_settings"]["n_ctx"] == CONTEXT
+    assert p["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert p["model_alias"] == "fim" and p["model_path"] == str(llm.path)
+    assert p["infill"] is True and p["total_slots"] >= 1
+    assert p["chat_template"] == llm.template.source
