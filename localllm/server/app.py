@@ -41,6 +41,7 @@ ROUTES = [
     Route("/api/ps", info.ps, methods=["GET"]),
     Route("/api/version", info.version, methods=["GET"]),
     Route("/completion", llamacpp_api.completion, methods=["POST"]),
+    Route("/completions", llamacpp_api.completion, methods=["POST"]),  # llama-server's alias
     Route("/infill", llamacpp_api.infill, methods=["POST"]),
     Route("/props", info.props, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),

@@ -1,7 +1,8 @@
 """llama-server's two stop rules for code completion, applied to a completion's text as it
 streams: `n_indent` (a new line indented less than that many spaces or tabs ends it, the line
 cut off: the model has left the block it was asked to complete) and `t_max_predict_ms` (past
-that many milliseconds since the first token, the first line break ends it).
+that many milliseconds since the first token, the next line break ends it, so that the text
+ends with a whole line).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class LineRules:
                 self.stopped = True
         late = (self.t_max_predict_ms > 0
                 and (now - self.first_token) * 1000 > self.t_max_predict_ms)
-        if late and "\n" in self.text:
+        if late and not self.stopped and "\n" in piece:  # ends at a line break past the time
+            self.text = self.text[:len(self.text) - len(piece) + piece.rindex("\n") + 1]
             self.stopped = True
         return self._release()
 

@@ -44,6 +44,8 @@ from localllm.server.state import ServerState
 from localllm.text.fim import ExtraFile, infill_prompt
 
 LOCAL_BUDGET = 2048  # prefix and suffix tokens at most (3/4 and 1/4), as llama-server's batch
+RESERVE_SHARE = 8  # the context's 1/8 is kept from extra files for the completion
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's seed for "pick one"
 _LETTERS = {"k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "e": "penalties"}
 _NAMES = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temperature": "temperature",
           "temp": "temperature", "penalties": "penalties"}
@@ -90,7 +92,8 @@ def _params(state: ServerState, body: _Options, prompt_len: int,
         body.top_p if on("top_p") else 1.0, body.top_k if on("top_k") else 0,
         body.min_p if on("min_p") else 0.0,
         body.repeat_penalty if on("penalties") else 1.0,
-        None if body.seed < 0 else body.seed, body.stop, 1, body.ignore_eos), 1)[0]
+        None if body.seed < 0 or body.seed == RANDOM_SEED else body.seed, body.stop, 1,
+        body.ignore_eos), 1)[0]
     return dataclasses.replace(p, stop_token_ids=end_ids) if end_ids else p
 
 
@@ -190,7 +193,7 @@ def _result(state: ServerState, body: _Options, job: _Job, index: int, start: fl
         "tokens_predicted": predicted, "tokens_evaluated": len(job.ids),
         "generation_settings": _settings(body, job.params), "prompt": prompt_text,
         "has_new_line": "\n" in job.content, "truncated": truncated, "stop_type": stop_type,
-        "stopping_word": word, "tokens_cached": job.cached,
+        "stopping_word": word, "tokens_cached": len(job.ids) + predicted,  # held in the KV
         "timings": {
             "cache_n": job.cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
@@ -242,7 +245,10 @@ async def _run(request: Request, state: ServerState, body: _Options, jobs: list[
                     if jobs[i].reason == "error":
                         yield error_event(f"generation failed: {jobs[i].error}")
                         return
-                    yield sse(_pick({**final, "content": text}, body.response_fields))
+                    if text:  # every piece of text comes in a partial event, as llama-server
+                        yield sse({"index": i, "content": text, "tokens": [], "stop": False,
+                                   "id_slot": -1})
+                    yield sse(_pick({**final, "content": ""}, body.response_fields))
             except EngineDeadError as e:
                 yield error_event(str(e))
             note()
@@ -262,31 +268,30 @@ async def _run(request: Request, state: ServerState, body: _Options, jobs: list[
         if j.reason == "error":
             raise APIError(500, f"generation failed: {j.error or 'unknown error'}")
     picked = [_pick(r, body.response_fields) for r in results]
-    return JSONResponse(picked[0] if len(picked) == 1 and not _many(body) else picked)
-
-
-def _many(body: _Options) -> bool:
-    p = getattr(body, "prompt", None)
-    return isinstance(p, list) and len(p) > 0 and all(isinstance(x, (str, list)) for x in p)
+    return JSONResponse(picked[0] if len(picked) == 1 else picked)  # as llama-server
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[Any] | None) -> list[list[int]]:
-    """llama-server's prompt forms: a text, token ids (or ids mixed with texts), or a list of
-    texts and id lists (several prompts)."""
+    """llama-server's prompt forms: a text, token ids (used as they are), ids mixed with texts
+    (BOS first where the first is a text), or a list of texts and id lists (several prompts).
+    The prompt is raw, as in llama-server: the text of a control token (`<|im_start|>`,
+    `<|fim_prefix|>`...) in it is that token, so that a script can write its own template."""
     tok = state.llm.tokenizer
     if prompt is None or prompt == "" or prompt == []:
         raise APIError(400, "prompt is required (a text, token ids, or a list of prompts)",
                        "prompt")
     if isinstance(prompt, str):
-        return [state.llm.encode(prompt)]
+        return [tok.encode(prompt, add_special=True, parse_special=True)]
     if all(isinstance(x, (str, list)) for x in prompt):
         return [y for x in prompt for y in _prompt_ids(state, x)]
-    ids = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    bos = tok.add_bos and tok.bos_id is not None and isinstance(prompt[0], str)
+    ids = [tok.bos_id] if bos and tok.bos_id is not None else []
     for x in prompt:
         if isinstance(x, bool) or not isinstance(x, (int, str)):
             raise APIError(400, "prompt: a list must hold token ids and texts, or prompts",
                            "prompt")
-        ids += [x] if isinstance(x, int) else tok.encode(x, add_special=False)
+        ids += [x] if isinstance(x, int) else tok.encode(x, add_special=False,
+                                                         parse_special=True)
     return [ids]
 
 
@@ -323,14 +328,14 @@ async def infill(request: Request) -> Response:
         raise APIError(400, no_fim_message(state, "/infill", " (such as Qwen2.5-Coder)"))
     tok = state.llm.tokenizer
     capacity = state.prompt_capacity
+    # fixed budgets, whatever this request's text and n_predict: the prefix and suffix, then
+    # the extra files in what the completion's share leaves, so that an editor's warm-up
+    # (n_predict 0) keeps the same files as the completions after it, which then reuse its
+    # cached blocks; +4: BOS and the three FIM tokens
     local = min(LOCAL_BUDGET, capacity // 2)
-    n = _n_predict(body)
-    reserve = max(1, n) if n >= 0 else capacity // 4  # room for the completion
-    alone = infill_prompt(tok, fim, body.input_prefix, body.input_suffix, body.prompt,
-                          local_budget=local)
     extra = [ExtraFile(c.filename, c.text) for c in body.input_extra]
     built = infill_prompt(tok, fim, body.input_prefix, body.input_suffix, body.prompt, extra,
-                          local, capacity - reserve - len(alone.ids))
+                          local, capacity - capacity // RESERVE_SHARE - local - 4)
     access_log(request)["prompt"] = body.input_prefix + "<HOLE>" + body.input_suffix
     jobs = _jobs(state, body, [built.ids], fim.end_ids)
     return await _run(request, state, body, jobs, [tok.decode(built.ids)], built.dropped > 0)

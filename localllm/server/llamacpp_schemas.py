@@ -2,20 +2,29 @@
 them (the fields llama.vim and llama.vscode send, with llama-server's defaults).
 
 As llama-server does, unknown fields are ignored: its clients send options of its own slots
-and caches (`id_slot`, `cache_prompt`, `t_max_prompt_ms`, ...). Known fields are typed
-strictly. Sampling options this server does not have are accepted only at their neutral
-values (`UNSUPPORTED`); the routes refuse others with a 400 that names the field.
+and caches (`id_slot`, `cache_prompt`, `t_max_prompt_ms`, ...), and a field sent as null takes
+its default. Known fields are typed strictly. Sampling options this server does not have are
+accepted only at their neutral values (`UNSUPPORTED`); the routes refuse others with a 400 that
+names the field.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as in llama-server."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class ExtraChunk(_Lenient):
@@ -36,8 +45,8 @@ class _Options(_Lenient):
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64  # accepted; the penalty here covers the prompt and the output
-    seed: int = -1  # negative: a random seed
-    stop: list[str] = []
+    seed: int = -1  # negative (or 2^32 - 1, llama.cpp's "default"): a random seed
+    stop: str | list[str] = []
     ignore_eos: bool = False
     n_indent: int = 0
     t_max_predict_ms: int = 0

@@ -26,9 +26,8 @@ from localllm.server.state import ServerState
 
 access = logging.getLogger("localllm.access")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/api/chat", "/api/generate",
-          "/api/tags", "/api/show", "/api/ps", "/api/version", "/completion", "/infill", "/props",
-          "/tokenize", "/health",
-          "/metrics", "/")
+          "/api/tags", "/api/show", "/api/ps", "/api/version", "/completion", "/completions",
+          "/infill", "/props", "/tokenize", "/health", "/metrics", "/")
 
 
 def route_label(path: str) -> str:

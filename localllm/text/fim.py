@@ -7,8 +7,9 @@ llama.cpp looks for them; the repository-level tokens (`fim_rep`/`fim_sep`: `<|r
 `<|file_sep|>`, or `<repo_name>` and `<file_sep>`) likewise, where the model has them.
 
 The prompt is prefix-suffix-middle, as llama.cpp's infill builds it:
-`[BOS] <fim_prefix> PREFIX <fim_suffix> SUFFIX <fim_middle> MIDDLE`, the code tokenized as
-plain text. `infill_prompt` puts other files' text (an editor's extra context) before it: after
+`[BOS] <fim_prefix> PREFIX LINE <fim_suffix> SUFFIX <fim_middle>`, the code tokenized as plain
+text (LINE: the cursor's line up to the cursor, which llama.cpp's editor clients send apart).
+`infill_prompt` puts other files' text (an editor's extra context) before it: after
 `<repo_name>`, each file under a `<file_sep>` header and then the edited file's header, where
 the model has those tokens; else each after a plain-text snippet line.
 """
@@ -136,11 +137,12 @@ def infill_prompt(tokenizer: Tokenizer, fim: FimTokens, prefix: str, suffix: str
                   middle: str = "", extra: Sequence[ExtraFile] = (),
                   local_budget: int | None = None, extra_budget: int | None = None
                   ) -> InfillPrompt:
-    """The ids of a fill-in-the-middle prompt: the model writes on from `middle` (the start of
-    the cursor's line), between `prefix` and `suffix`, with `extra` files before it.
+    """The ids of a fill-in-the-middle prompt: the model writes what goes between `prefix` +
+    `middle` (the cursor's line up to the cursor, tokenized apart and put after the prefix) and
+    `suffix`, with `extra` files before it.
 
     With `local_budget`, the prefix keeps at most its last 3/4 of that many tokens and the
-    suffix its first quarter less the middle's tokens, as llama.cpp's infill does; with
+    suffix its first quarter less the middle's tokens and 2, as llama.cpp's infill does; with
     `extra_budget`, the oldest extra files (the first) are left out until the rest fit. Each
     piece is tokenized alone, so a prompt that shares the extra files of an earlier one shares
     its first tokens too (the prefix cache then reuses them).
@@ -157,11 +159,13 @@ def infill_prompt(tokenizer: Tokenizer, fim: FimTokens, prefix: str, suffix: str
     dropped = 0
     if extra_budget is not None:
         room = extra_budget - len(head) - len(tail)
-        while files and sum(map(len, files)) > room:
-            files.pop(0)
+        total = sum(map(len, files))
+        while dropped < len(files) and total > room:
+            total -= len(files[dropped])
             dropped += 1
+        files = files[dropped:]
     ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     if files:  # with no extra files, the plain prompt (no repository header)
         ids += head + [t for f in files for t in f] + tail
-    ids += [fim.prefix, *pre, fim.suffix, *suf, fim.middle, *mid]
+    ids += [fim.prefix, *pre, *mid, fim.suffix, *suf, fim.middle]
     return InfillPrompt(ids, dropped, cut)

@@ -23,7 +23,7 @@ from localllm.text.fim import fim_prompt
 
 def test_serve_from_start_to_sigterm(tmp_path: Path) -> None:
     model = tmp_path / "fim.gguf"
-    fim = write_fim_model(model)
+    fim = write_fim_model(model, context=1024)
     runtime = tmp_path / "run"
     private = runtime / "localllm"
     private.mkdir(parents=True)
@@ -72,22 +72,23 @@ def test_serve_from_start_to_sigterm(tmp_path: Path) -> None:
                 "input_extra": [], "prompt": "", "n_predict": 6, "temperature": 0,
                 "ignore_eos": True, "samplers": ["top_k", "top_p", "infill"],
                 "cache_prompt": True, "t_max_prompt_ms": 500, "response_fields": [
-                    "content", "timings/prompt_n", "tokens_cached", "truncated"]}).json()
+                    "content", "timings/prompt_n", "timings/cache_n", "truncated"]}).json()
             # the same prompt went in before: its whole blocks come from the prefix cache
             cached = (len(ids) - 1) // 16 * 16
             assert cached > 0
             assert infill == {"content": expected.text, "timings/prompt_n": len(ids) - cached,
-                              "tokens_cached": cached, "truncated": False}
+                              "timings/cache_n": cached, "truncated": False}
             # llama.vim's flow: extra context sent ahead with n_predict 0 fills the prefix
             # cache; the completion after it reads those blocks from there
             extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n" * 3}]
             warm = c.post("/infill", json={"input_extra": extra, "n_predict": 0}).json()
-            assert warm["content"] == "" and warm["tokens_cached"] == 0
+            assert warm["content"] == "" and warm["timings"]["cache_n"] == 0
             hole = {"input_prefix": "def mul(a, b):", "input_suffix": "\n", "n_predict": 4,
                     "input_extra": extra, "temperature": 0}
             used = c.post("/infill", json=hole).json()
             shared = warm["tokens_evaluated"] - 2  # all but <fim_suffix><fim_middle>
-            assert used["tokens_cached"] == shared // 16 * 16 > 0
+            assert used["timings"]["cache_n"] == shared // 16 * 16 > 0
+            assert used["tokens_cached"] == used["tokens_evaluated"] + used["tokens_predicted"]
             plain = llm.generate([llm.encode("hello")], SamplingParams(
                 max_tokens=5, temperature=0, ignore_eos=True))[0]
             done = c.post("/completion", json={"prompt": "hello", "n_predict": 5,

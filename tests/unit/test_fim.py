@@ -61,8 +61,9 @@ def test_the_layout(repo_model: tuple[Tokenizer, FimTokens]) -> None:
     tok, fim = repo_model
     bos = [tok.bos_id] if tok.add_bos else []
     plain = infill_prompt(tok, fim, "def f(a):\n", "\n    return b\n", "    b = ")
-    assert plain.ids == [*bos, fim.prefix, *_text(tok, "def f(a):\n"), fim.suffix,
-                         *_text(tok, "\n    return b\n"), fim.middle, *_text(tok, "    b = ")]
+    # the cursor's line so far goes after the prefix, tokenized apart, as in llama.cpp
+    assert plain.ids == [*bos, fim.prefix, *_text(tok, "def f(a):\n"), *_text(tok, "    b = "),
+                         fim.suffix, *_text(tok, "\n    return b\n"), fim.middle]
     assert fim_prompt(tok, fim, "x", "y") == [*bos, fim.prefix, *_text(tok, "x"), fim.suffix,
                                                *_text(tok, "y"), fim.middle]
     extra = [ExtraFile("a.py", "import os\n"), ExtraFile("b.py", "x = 1\n")]
@@ -72,7 +73,7 @@ def test_the_layout(repo_model: tuple[Tokenizer, FimTokens]) -> None:
         fim.file_sep, *_text(tok, "a.py\n"), *_text(tok, "import os\n"),
         fim.file_sep, *_text(tok, "b.py\n"), *_text(tok, "x = 1\n"),
         fim.file_sep, *_text(tok, FILE_NAME + "\n"),
-        fim.prefix, *_text(tok, "p"), fim.suffix, *_text(tok, "s"), fim.middle, *_text(tok, "m")]
+        fim.prefix, *_text(tok, "p"), *_text(tok, "m"), fim.suffix, *_text(tok, "s"), fim.middle]
     assert (full.dropped, full.cut) == (0, False)
     # the same extra files start every prompt the same way (the prefix cache reuses them)
     other = infill_prompt(tok, fim, "q = 2", "", "", extra)
@@ -101,8 +102,8 @@ def test_budgets(repo_model: tuple[Tokenizer, FimTokens]) -> None:
     start = got.ids.index(fim.prefix)
     # the prefix keeps its last 48 tokens (nearest the cursor), the suffix its first
     # 16 less the FIM tokens' 2 and the middle's
-    assert got.ids[start:] == [fim.prefix, *pre[-48:], fim.suffix, *suf[:16 - 2 - len(mid)],
-                               fim.middle, *mid]
+    assert got.ids[start:] == [fim.prefix, *pre[-48:], *mid, fim.suffix,
+                               *suf[:16 - 2 - len(mid)], fim.middle]
     assert got.cut and got.dropped == 0
     assert not infill_prompt(tok, fim, "a", "b", local_budget=64).cut
     # extra files: the oldest go first until the rest fit

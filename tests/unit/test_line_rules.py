@@ -47,8 +47,12 @@ def test_off_releases_everything_at_once() -> None:
 def test_the_time_limit_waits_for_a_line_break() -> None:
     r = LineRules(t_max_predict_ms=100)
     got = run(r, ["a", "b", "c\nd", "e"], times=[0.0, 0.05, 0.2, 0.3])
-    assert got == ["a", "b", "c\nd"] and r.stopped
+    assert got == ["a", "b", "c\n"] and r.stopped and r.text == "abc\n"
     r = LineRules(t_max_predict_ms=100)
     assert run(r, ["a", "b", "c"], times=[0.0, 0.5, 0.9]) == ["a", "b", "c", ""]
     r = LineRules(t_max_predict_ms=100)
     assert run(r, ["a\n", "b\n"], times=[0.0, 0.05]) == ["a\n", "b\n", ""]
+    # a line break before the time is up does not end a line begun after it
+    r = LineRules(t_max_predict_ms=100)
+    got = run(r, ["a = 1\n", "b", " = 2", "\nc"], times=[0.0, 0.05, 0.2, 0.3])
+    assert got == ["a = 1\n", "b", " = 2", "\n"] and r.text == "a = 1\nb = 2\n"

@@ -49,6 +49,11 @@ def test_completion_answer(served: Any) -> None:
         ).json()
         ids = c.post("/completion", json={"prompt": [7, 8, 9]}).json()
         many = c.post("/completion", json={"prompt": ["hello", [7, 8]]}).json()
+        mixed = c.post("/completion", json={"prompt": ["he", 7, "llo"]}).json()
+        one = c.post("/completion", json={"prompt": ["hello"]}).json()
+        control = c.post("/completion", json={"prompt": "<|fim_prefix|>a<|fim_middle|>"}).json()
+        nulls = c.post("/completion", json={"prompt": "hello", "temperature": None,
+                                            "stop": None, "seed": None})
     assert r["content"] == "Hello there." and r["stop"] is True
     assert r["tokens_predicted"] == 3 and r["tokens_evaluated"] == len(llm.encode("hello"))
     assert r["model"] == "fim" and r["truncated"] is False and r["has_new_line"] is False
@@ -57,16 +62,35 @@ def test_completion_answer(served: Any) -> None:
     assert r["generation_settings"]["n_predict"] == 8 and engine.params[0].max_tokens == 8
     assert picked == {"content": "Hello there.", "timings/predicted_n": 3}
     bos = [llm.tokenizer.bos_id] if llm.tokenizer.add_bos else []
-    assert ids["tokens_evaluated"] == len(bos) + 3 and engine.prompts[2] == [*bos, 7, 8, 9]
+    # token ids are used as sent; a mixed list starting with text gets the BOS, as llama-server
+    assert ids["tokens_evaluated"] == 3 and engine.prompts[2] == [7, 8, 9]
     assert [(x["index"], x["content"]) for x in many] == [(0, "Hello there."), (1, "Hello there.")]
+    tok = llm.tokenizer
+    assert engine.prompts[5] == [*bos, *tok.encode("he", add_special=False), 7,
+                                 *tok.encode("llo", add_special=False)]
+    assert mixed["tokens_evaluated"] == len(engine.prompts[5])
+    assert isinstance(one, dict) and one["content"] == "Hello there."  # one prompt: an object
+    # the prompt is raw: control-token text is the token (a script writes its own template)
+    fim = served[2]
+    assert engine.prompts[7] == [*bos, fim.prefix, *tok.encode("a", add_special=False),
+                                 fim.middle]
+    assert control["tokens_evaluated"] == len(bos) + 3
+    assert nulls.status_code == 200 and engine.params[-1].temperature == 0.8  # null: default
 
 
 def test_streamed(served: Any) -> None:
     with client(served[0]) as c:
         events = sse(c.post("/completion", json={"prompt": "hello", "stream": True}))
+        picked = sse(c.post("/completion", json={"prompt": "indented", "stream": True,
+                                                 "n_indent": 4,
+                                                 "response_fields": ["stop", "stop_type"]}))
     assert "".join(e["content"] for e in events) == "Hello there."
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1]["tokens_predicted"] == 3 and "timings" in events[-1]
+    assert events[-1]["content"] == ""  # all text comes in the partial events
+    # response_fields picks from the last event only: no text is lost with it
+    assert "".join(e.get("content", "") for e in picked) == "x = 1\n    y = 2\n    z = 3\n"
+    assert picked[-1] == {"stop": True, "stop_type": "limit"}
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
@@ -125,15 +149,22 @@ def test_infill_prompt_and_budget(served: Any) -> None:
         llm.tokenizer, fim, "def f(a):\n", "\n    return b\n", "    b = ",
         [ExtraFile("f0.py", "word " * 40)]).ids
     assert full["truncated"] is False
-    # six files do not fit a 512-token context with 32 tokens kept for the answer: the oldest
+    # six files do not fit a 512-token context with its eighth kept for the answer: the oldest
     # are left out, and the answer says so
     kept = len(engine.prompts[-1])
-    assert cut["truncated"] is True and kept <= CONTEXT - 32
+    assert cut["truncated"] is True and kept <= CONTEXT - CONTEXT // 8
     assert engine.prompts[-1][-len(ids) + 1:] == ids[1:]
+    # a warm-up (n_predict 0, no text of its own) keeps the same files as the completion
+    with client(path) as c:
+        warm = c.post("/infill", json={"input_extra": extra, "n_predict": 0}).json()
+    assert warm["truncated"] is True
+    header = engine.prompts[-1][:-3]  # all but <fim_prefix><fim_suffix><fim_middle>
+    assert engine.prompts[-2][:len(header)] == header
 
 
 def test_n_indent_and_time_limit(served: Any) -> None:
     path, engine, _, _ = served
+    aborted = len(engine.aborted)
     with client(path) as c:
         r = c.post("/infill", json={"input_prefix": "indented", "n_indent": 4}).json()
         streamed = sse(c.post("/infill", json={"input_prefix": "indented", "n_indent": 4,
@@ -144,7 +175,7 @@ def test_n_indent_and_time_limit(served: Any) -> None:
     assert "".join(e["content"] for e in streamed) == r["content"]
     assert timed["stop_type"] == "limit" and timed["content"].endswith("\n")
     assert timed["timings"]["predicted_ms"] >= 50
-    assert len(engine.aborted) == 3  # each request a rule ended is stopped in the engine
+    assert len(engine.aborted) == aborted + 3  # a request a rule ended is stopped in the engine
 
 
 def test_infill_needs_fim_tokens(tmp_path: Path) -> None:
