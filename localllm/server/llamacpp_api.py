@@ -5,8 +5,8 @@ llama.vscode and other llama.cpp clients call them.
 Answers have llama-server's fields (`content`, `stop`, `stop_type`, `tokens_predicted`,
 `tokens_cached`, `truncated`, `timings`, ...); `response_fields` picks some of them, a path such
 as `timings/prompt_n` becoming a key of its own. Streamed (`"stream": true`), each piece of
-text is one server-sent event and the last event (`"stop": true`) carries the other fields; no
-`[DONE]` follows, as in llama-server.
+text is one server-sent event and the last event (`"stop": true`, its `content` empty) carries
+the other fields; no `[DONE]` follows, as in llama-server.
 
 Sampling takes llama-server's defaults. `samplers`, when given, names the samplers that apply
 (`top_k`, `top_p`, `min_p`, `temperature`, `penalties`, or their letters `k p m t e`); the rest
@@ -36,7 +36,7 @@ from localllm.server.llamacpp_schemas import (
     UNSUPPORTED,
     CompletionBody,
     InfillBody,
-    _Options,
+    LlamaOptions,
 )
 from localllm.server.openai_completions import no_fim_message
 from localllm.server.params import Sampling, sampling_params
@@ -60,8 +60,8 @@ def _samplers(value: list[str] | str | None) -> set[str] | None:
     return {_NAMES[n] for n in value if n in _NAMES}
 
 
-def _check_options(body: _Options) -> None:
-    defaults = _Options()
+def _check_options(body: LlamaOptions) -> None:
+    defaults = LlamaOptions()
     for name in UNSUPPORTED:
         value = getattr(body, name)
         if value not in (getattr(defaults, name), None, [], {}, ""):
@@ -71,12 +71,12 @@ def _check_options(body: _Options) -> None:
         raise APIError(400, "n_indent and t_max_predict_ms must be >= 0 (0: off)")
 
 
-def _n_predict(body: _Options) -> int:
+def _n_predict(body: LlamaOptions) -> int:
     n = body.n_predict if body.n_predict is not None else body.max_tokens
     return -1 if n is None or n < 0 else n
 
 
-def _params(state: ServerState, body: _Options, prompt_len: int,
+def _params(state: ServerState, body: LlamaOptions, prompt_len: int,
             end_ids: tuple[int, ...] = ()) -> SamplingParams:
     n = _n_predict(body)
     room = max(1, state.max_model_len - prompt_len)
@@ -97,7 +97,7 @@ def _params(state: ServerState, body: _Options, prompt_len: int,
     return dataclasses.replace(p, stop_token_ids=end_ids) if end_ids else p
 
 
-def _settings(body: _Options, params: SamplingParams) -> dict[str, Any]:
+def _settings(body: LlamaOptions, params: SamplingParams) -> dict[str, Any]:
     return {"n_predict": _n_predict(body), "temperature": params.temperature,
             "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "repeat_penalty": params.repetition_penalty, "seed": body.seed,
@@ -177,7 +177,7 @@ def _stop_type(job: _Job, stop: tuple[str, ...], state: ServerState) -> tuple[st
     return "word", next((s for s in stop if s in rest), "")
 
 
-def _result(state: ServerState, body: _Options, job: _Job, index: int, start: float,
+def _result(state: ServerState, body: LlamaOptions, job: _Job, index: int, start: float,
             prompt_text: str, truncated: bool) -> dict[str, Any]:
     first = job.first or job.end or start
     end = job.end or first
@@ -204,7 +204,7 @@ def _result(state: ServerState, body: _Options, job: _Job, index: int, start: fl
             else 0.0}}
 
 
-async def _run(request: Request, state: ServerState, body: _Options, jobs: list[_Job],
+async def _run(request: Request, state: ServerState, body: LlamaOptions, jobs: list[_Job],
                prompt_texts: list[str], truncated: bool) -> Response:
     log = access_log(request)
     log["prompt_tokens"] = sum(len(j.ids) for j in jobs)
@@ -295,7 +295,7 @@ def _prompt_ids(state: ServerState, prompt: str | list[Any] | None) -> list[list
     return [ids]
 
 
-def _jobs(state: ServerState, body: _Options, prompts: list[list[int]],
+def _jobs(state: ServerState, body: LlamaOptions, prompts: list[list[int]],
           end_ids: tuple[int, ...] = ()) -> list[_Job]:
     jobs = []
     for ids in prompts:

@@ -34,7 +34,7 @@ class ExtraChunk(_Lenient):
     filename: str = "tmp"
 
 
-class _Options(_Lenient):
+class LlamaOptions(_Lenient):
     model: str | None = None
     stream: bool = False
     n_predict: int | None = None  # -1 or left out: to the end of the context; 0: prefill only
@@ -73,11 +73,11 @@ UNSUPPORTED = ("n_probs", "mirostat", "grammar", "json_schema", "logit_bias", "p
                "dynatemp_range", "top_n_sigma")
 
 
-class CompletionBody(_Options):
+class CompletionBody(LlamaOptions):
     prompt: str | list[Any] | None = None  # text, token ids, a mix, or a list of prompts
 
 
-class InfillBody(_Options):
+class InfillBody(LlamaOptions):
     prompt: str = ""  # the cursor's line up to the cursor: the model writes on from it
     input_prefix: str = ""
     input_suffix: str = ""
