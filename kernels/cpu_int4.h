@@ -8,7 +8,7 @@
  * values, the codebook's bf16 roundings hi[16] and what they leave, lo[16] = bf16(v - hi) (zero
  * for the integer IQ4 codebooks), so that hi + lo carries NF4's values to about 2^-17.
  *
- * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads; see
+ * Layout (the one `torch.ops.aten._weight_int4pack_mm_for_cpu` reads on AVX-512; see
  * localllm/backends/cpu/packing.py): `packed` is [n_pad / 64][K2][32] bytes, K2 = planes * K;
  * byte j of column k in tile t holds row 64t + j in its low nibble and row 64t + 32 + j in its
  * high nibble. `sz` is bf16 [K2 / gs][n_pad][2]: (scale, zero) of each group and row, or those

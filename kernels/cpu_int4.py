@@ -1,13 +1,15 @@
 """The int4 weight-only matmuls and dequantization of `cpu_int4*.c`, beside their references.
 
-Weights are in the packed layout of PyTorch's int4 CPU kernel (see
-`localllm/backends/cpu/packing.py`): uint8 [out_padded, planes * in / 2], with bf16 (scale,
-zero) pairs (as PyTorch's kernel takes them, or tile by tile) or the fp16 scales alone of a
-symmetric weight (`scales_layout`). Call
-`cpu_native.available()` first; `int4_gemm` also needs `cpu_native.gemm_available()`.
+Weights are in `NATIVE_LAYOUT`, the packed layout PyTorch's int4 CPU kernel reads where it
+runs AVX-512 (see `localllm/backends/cpu/packing.py`): uint8 [out_padded, planes * in / 2],
+with bf16 (scale, zero) pairs (as PyTorch's kernel takes them, or tile by tile) or the fp16
+scales alone of a symmetric weight (`scales_layout`). Call `cpu_native.available()` first;
+`int4_gemm` also needs `cpu_native.gemm_available()`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +17,32 @@ from localllm.kernels import cpu_native
 from localllm.kernels.cpu_ops import silu_mul_ref, top_k_ref
 
 TILE = 64  # rows per tile of the packed layout
+
+
+@dataclass(frozen=True)
+class NibbleLayout:
+    """Which rows share a byte of a packed weight: `packed.view(N / tile, K2, tile / 2)[t, k, j]`
+    holds column k of two rows of tile t, in its low and high nibble: rows `j` and
+    `j + tile / 2` of the tile (`split`), or rows `2j` and `2j + 1`. The native kernels read
+    `NATIVE_LAYOUT`; PyTorch's int4 kernel reads one of `LAYOUTS`, which one by the vector
+    width it was dispatched to (`localllm.backends.cpu.packing.torch_layout`)."""
+
+    tile: int
+    split: bool
+
+    def nibble_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where rows `ids` sit: (tile, byte within the tile's column, high nibble?)."""
+        within = ids % self.tile
+        half = self.tile // 2
+        if self.split:
+            return ids // self.tile, within % half, within >= half
+        return ids // self.tile, within // 2, within % 2 == 1
+
+
+NATIVE_LAYOUT = NibbleLayout(TILE, True)
+# PyTorch 2.x: AVX-512 (64, split), AVX2 (32, split), and without vectors 32 or 16 adjacent
+LAYOUTS = (NATIVE_LAYOUT, NibbleLayout(32, True), NibbleLayout(32, False),
+           NibbleLayout(16, False))
 GROUP_SIZES = (32, 16)  # the kernels' groups of columns; the scales' shape tells which
 
 
@@ -285,12 +313,13 @@ def int4_refine_half_ref(logits: torch.Tensor, x: torch.Tensor, packed: torch.Te
     logits.scatter_(1, top, torch.bmm(rows, x.float().unsqueeze(-1)).squeeze(-1))
 
 
-def packed_row_codes(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def packed_row_codes(packed: torch.Tensor, ids: torch.Tensor,
+                     layout: NibbleLayout = NATIVE_LAYOUT) -> torch.Tensor:
     """The 4-bit codes of rows `ids` of a packed weight, planes side by side: fp32 [T, K2]."""
     k2 = packed.shape[1] * 2
-    half_tile = TILE // 2
-    b = packed.view(-1, k2, half_tile)[ids // TILE, :, ids % half_tile]  # [T, K2]
-    return torch.where((ids % TILE < half_tile).unsqueeze(1), b & 15, b >> 4).float()
+    tile, byte, high = layout.nibble_rows(ids)
+    b = packed.view(-1, k2, layout.tile // 2)[tile, :, byte]  # [T, K2]
+    return torch.where(high.unsqueeze(1), b >> 4, b & 15).float()
 
 
 def packed_row_ints(packed: torch.Tensor, ids: torch.Tensor, planes: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from localllm.backends.cpu import CpuBackend, dispatch, packing, weights
 from localllm.backends.cpu.dispatch import decode_rows, step_rows
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuPackedWeight
-from localllm.kernels import cpu_native
+from localllm.kernels import cpu_int4, cpu_native
 from localllm.layers.activation import silu_and_mul
 from localllm.layers.linear import Linear, QuantLinear, fuse_linears, row_source
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
@@ -143,7 +143,71 @@ def test_pack_tiles_is_pytorchs_int4_packed_layout() -> None:
     codes = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(7),
                           dtype=torch.uint8)
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    assert torch.equal(packing.pack_tiles(codes), want)
+    layout = packing.torch_layout()
+    assert layout is not None  # PyTorch's kernel reads one of the known layouts
+    assert torch.equal(packing.pack_tiles(codes, layout), want)
+    # every layout is a permutation of rows into nibbles: packed_row_codes undoes each
+    ids = torch.arange(192)
+    for each in cpu_int4.LAYOUTS:
+        got = cpu_int4.packed_row_codes(packing.pack_tiles(codes, each), ids, each)
+        assert torch.equal(got, codes.float())
+
+
+# In a fresh process whose ATen dispatch is pinned (ATEN_CPU_CAPABILITY): a weight packed
+# without the native kernels takes PyTorch's layout and runs on its int4 kernel; one packed for
+# the native kernels, which then go away, is dequantized instead. Both equal the reference.
+LAYOUT_CHILD = """
+import sys
+import torch
+from localllm.backends.cpu import packing
+from localllm.backends.cpu.weights import CpuPackedWeight
+from localllm.kernels import cpu_native
+from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
+
+g = torch.Generator().manual_seed(3)
+x = torch.randn(5, 256, generator=g).bfloat16()
+weights = [
+    Int4Weight(pack_nibbles(torch.randint(0, 16, (200, 256), generator=g, dtype=torch.uint8)),
+               (torch.rand(200, 8, generator=g) * 0.02 + 0.001).half(),
+               (torch.randn(200, 8, generator=g) * 0.05).half(), 32),
+    Int8Weight(torch.randint(-128, 128, (130, 256), generator=g, dtype=torch.int8),
+               (torch.rand(130, 8, generator=g) * 0.002 + 1e-4).half(),
+               (torch.randn(130, 8, generator=g) * 0.05).half(), 32),
+]
+packed = [CpuPackedWeight.from_weight(w, torch.bfloat16) for w in weights]
+cpu_native._library = lambda: None
+late = [CpuPackedWeight.from_weight(w, torch.bfloat16) for w in weights]
+assert all(p.layout == packing.torch_layout() for p in late), packing.torch_layout()
+for w, p, q in zip(weights, packed, late):
+    ref = x.float() @ w.dequantize().float().t()
+    for each in (p, q):
+        err = (each.matmul(x).float() - ref).abs().max().item()
+        assert err <= 0.02 * ref.abs().max().item(), err
+        want = w.dequantize().float()
+        err = (each.rows(torch.arange(w.out_features)) - want).abs().max().item()
+        assert err <= 0.01 * want.abs().max().item(), err
+layout = packing.torch_layout()
+print(torch.backends.cpu.get_cpu_capability(), layout.tile, layout.split)
+"""
+
+
+def test_every_dispatch_of_pytorchs_int4_kernel_gets_its_layout() -> None:
+    import os
+    import subprocess
+    import sys
+
+    order = ["default", "avx2", "avx512"]  # each dispatch this CPU can take
+    caps = order[:order.index(torch.backends.cpu.get_cpu_capability().lower()) + 1]
+    seen = set()
+    for cap in caps:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        out = subprocess.run([sys.executable, "-c", LAYOUT_CHILD], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        reported, *layout = out.stdout.split()
+        assert reported == cap.upper()
+        seen.add(tuple(layout))
+    assert len(seen) == len(caps)  # each dispatch had a layout of its own
 
 
 def test_int8_planes_reproduce_every_code_exactly() -> None:

@@ -121,10 +121,10 @@ def native_kernels() -> str:
     return " + ".join(parts)
 
 
-def packed_policy(codes: bool, planes: int) -> Policy:
+def packed_policy(codes: bool, planes: int, native: bool = True) -> Policy:
     """The row policy of a packed int4 weight of `planes` planes; `codes` as in the module
-    docstring."""
-    m = machine()
+    docstring; `native` False for a weight the native kernels cannot read (PyTorch's)."""
+    m = machine() if native else "torch"
     if m == "torch":
         return ROW_POLICY[m, "1 plane" if planes == 1 else "2 planes"]
     return ROW_POLICY[m, "codes" if codes else "other"]

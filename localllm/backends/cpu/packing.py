@@ -2,12 +2,16 @@
 
 `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)` computes
 `x @ W.T` with `W[n, k] = (c[n, k] - 8) * scale[g, n] + zero[g, n]`, `g = k // 32`, codes `c` in
-0..15 and bf16 scales/zeros. Its packed layout interleaves rows in tiles of 64: byte `j` of
-column `k` in tile `t` holds row `64t + j` in its low nibble and row `64t + 32 + j` in its high
-nibble:
+0..15 and bf16 scales/zeros. The native kernels read its AVX-512 layout
+(`cpu_int4.NATIVE_LAYOUT`), which interleaves rows in tiles of 64: byte `j` of column `k` in
+tile `t` holds row `64t + j` in its low nibble and row `64t + 32 + j` in its high nibble:
 
     packed.view(N / 64, K, 32)[t, k, j]:   bit 7           4 3           0
                                               [ c[64t+32+j, k] | c[64t+j, k] ]
+
+PyTorch's kernel reads another layout where it was dispatched to AVX2 or to no vectors at all
+(tiles of 32 rows, `cpu_int4.LAYOUTS`); `torch_layout` finds out which, and a weight packed
+without the native kernels takes that one (`pack_layout`), so that PyTorch's kernel runs it.
 
 Both runtime formats with groups of 32 map onto it exactly (up to bf16 scales), and so do
 groups of 16 (Q2_K, Q3_K, Q6_K), which only the native kernel (`kernels/cpu_int4*.c`) runs:
@@ -34,9 +38,12 @@ channel use `_weight_int8pack_mm` instead (`CpuInt8ChannelWeight`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from localllm.kernels import cpu_native
+from localllm.kernels.cpu_int4 import LAYOUTS, NATIVE_LAYOUT, NibbleLayout
 from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
 TILE = 64  # rows per tile of the packed layout
@@ -77,13 +84,45 @@ def kernel_codes(w: Int4Weight | Int8Weight, rows: int) -> torch.Tensor:
     return codes
 
 
-def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [rows, K2] (rows a multiple of 64) -> the packed layout [rows, K2 / 2]:
-    what `torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)` returns (tested),
-    in uint8 throughout (3.6x faster: no int32 copy of the codes)."""
+def pack_tiles(codes: torch.Tensor, layout: NibbleLayout = NATIVE_LAYOUT) -> torch.Tensor:
+    """uint8 codes [rows, K2] (rows a multiple of 64) -> the packed `layout` [rows, K2 / 2]:
+    what `torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)` returns where
+    `layout` is PyTorch's (tested), in uint8 throughout (3.6x faster: no int32 copy)."""
     rows, k2 = codes.shape
-    v = codes.view(rows // TILE, 2, TILE // 2, k2)  # [tiles, low/high nibble, 32, K2]
-    return (v[:, 0] | (v[:, 1] << 4)).transpose(1, 2).contiguous().view(rows, k2 // 2)
+    t, half = layout.tile, layout.tile // 2
+    if layout.split:
+        v = codes.view(rows // t, 2, half, k2)  # [tiles, low/high nibble, tile / 2, K2]
+        low, high = v[:, 0], v[:, 1]
+    else:
+        v = codes.view(rows // t, half, 2, k2)  # [tiles, tile / 2, low/high nibble, K2]
+        low, high = v[:, :, 0], v[:, :, 1]
+    return (low | (high << 4)).transpose(1, 2).contiguous().view(rows, k2 // 2)
+
+
+@functools.cache
+def torch_layout() -> NibbleLayout | None:
+    """The packed layout PyTorch's int4 CPU kernel reads in this process (it follows the
+    vector width ATen dispatches to), found by packing a probe both ways; None if it is none
+    of `LAYOUTS` (that kernel is then not used)."""
+    codes = torch.randint(0, 16, (TILE, 2 * TILE), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    try:
+        want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    except (AttributeError, RuntimeError):  # a PyTorch without it
+        return None
+    for layout in LAYOUTS:
+        got = pack_tiles(codes, layout)
+        if got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want):
+            return layout
+    return None
+
+
+def pack_layout() -> NibbleLayout:
+    """The layout a weight packed now takes: the native kernels', or without them the one
+    PyTorch's int4 kernel reads (the native one if that kernel's is unknown)."""
+    if cpu_native.available():
+        return NATIVE_LAYOUT
+    return torch_layout() or NATIVE_LAYOUT
 
 
 def half_scales(w: Int4Weight | Int8Weight) -> bool:

@@ -28,10 +28,13 @@ from localllm.backends.cpu.packing import (
     half_scales,
     kernel_codes,
     kernel_scales_zeros,
+    pack_layout,
     pack_tiles,
     packed_group_sizes,
+    torch_layout,
 )
 from localllm.kernels import cpu_int4, cpu_native
+from localllm.kernels.cpu_int4 import NATIVE_LAYOUT, NibbleLayout
 from localllm.layers.ops import RowSource
 from localllm.quant.formats import Int4Weight, Int8Weight, slice_rows
 
@@ -42,8 +45,12 @@ class CpuPackedWeight:
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
                  in_features: int, planes: int,
                  exact: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 group_size: int = GROUP, codebook: torch.Tensor | None = None) -> None:
+                 group_size: int = GROUP, codebook: torch.Tensor | None = None,
+                 layout: NibbleLayout = NATIVE_LAYOUT) -> None:
         self.packed = packed  # uint8 [out_padded, planes * in / 2]
+        # which rows share a byte of `packed`: the native kernels' layout, or PyTorch's where
+        # this weight was packed without them (`packing.pack_layout`)
+        self.layout = layout
         # bf16 pairs [planes * in / group_size, out_padded, 2] (TILED with the native kernels:
         # [out_padded / 64, planes * in / group_size, 64, 2]), or (half) fp16 [in / group_size,
         # out_padded]: see the module docstring and `cpu_int4.scales_layout`
@@ -82,6 +89,7 @@ class CpuPackedWeight:
         exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
         planes, group_size, half = 1, GROUP, False
         codebook: torch.Tensor | None = None
+        layout = pack_layout()
         # tiles of 64 rows pack independently: converting a few at a time keeps the int32
         # codes the kernel's converter takes small (a whole 49152-row head would be 226 MB)
         for r in range(0, n_pad, PACK_ROWS):
@@ -108,7 +116,7 @@ class CpuPackedWeight:
                     or (isinstance(w, Int4Weight) and codebook is not None
                         and (w.codebook is None or not torch.equal(w.codebook, codebook))):
                 raise ValueError("the rows of one weight changed format")
-            packed[r:end] = pack_tiles(kernel_codes(w, end - r))
+            packed[r:end] = pack_tiles(kernel_codes(w, end - r), layout)
             stop = r + w.out_features
             if half:
                 sz[:, r:stop] = w.scales.t()
@@ -124,7 +132,7 @@ class CpuPackedWeight:
         if not half and cpu_native.available():  # what the native kernels read fastest
             sz = cpu_int4.tile_scales(sz)
         return cls(packed, sz, out, packed.shape[1] * 2 // planes, planes, exact, group_size,
-                   codebook)
+                   codebook, layout)
 
     @staticmethod
     def stack(parts: Sequence[object]) -> CpuPackedWeight | None:
@@ -135,6 +143,7 @@ class CpuPackedWeight:
         packed = [p for p in parts if isinstance(p, CpuPackedWeight)]
         first = packed[0]
         if any(p.planes != first.planes or p.in_features != first.in_features
+               or p.layout != first.layout
                or p.group_size != first.group_size or p.half != first.half
                or p.out_features % TILE
                or (p.codebook is None) != (first.codebook is None)
@@ -147,7 +156,7 @@ class CpuPackedWeight:
         return CpuPackedWeight(torch.cat([p.packed for p in packed]), scales,
                                sum(p.out_features for p in packed), first.in_features,
                                first.planes, group_size=first.group_size,
-                               codebook=first.codebook)
+                               codebook=first.codebook, layout=first.layout)
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +174,7 @@ class CpuPackedWeight:
         model where bf16-rounded logits are off by up to 0.125 (and faster than `int4_mm` at 8
         rows, and at 1 row in the AVX2 build; the same path at any batch)."""
         return (self.planes == 2 and self.half and self.codebook is None
-                and self.group_size == GROUP and cpu_native.available())
+                and self.group_size == GROUP and self._native())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] bf16 -> fp32 [rows, out]
@@ -176,16 +185,21 @@ class CpuPackedWeight:
     def refine_logits(self, logits: torch.Tensor, x: torch.Tensor, k: int) -> bool:
         # fp16 scales (Q8_0, Q4_0, Q5_0): the top-k, the rows and their dot products in one
         # native call (five PyTorch calls and a [rows, k, in] fp32 copy of the rows otherwise)
-        if not (self.half and self.codebook is None and cpu_native.available()
+        if not (self.half and self.codebook is None and self._native()
                 and x.dtype == torch.bfloat16 and len(x) <= cpu_int4.REFINE_MAX
                 and self.in_features % 16 == 0):
             return False
         cpu_int4.int4_refine_half(logits, x, self.packed, self.scales_zeros, self.planes, k)
         return True
 
+    def _native(self) -> bool:
+        """Whether the native kernels run this weight (they read `NATIVE_LAYOUT` alone)."""
+        return self.layout == NATIVE_LAYOUT and cpu_native.available()
+
     def _policy(self) -> Policy:
         # AMX tiles read the codes of groups of 32 without a codebook directly
-        return packed_policy(self.group_size == GROUP and self.lut is None, self.planes)
+        return packed_policy(self.group_size == GROUP and self.lut is None, self.planes,
+                             self._native())
 
     def _rest(self, x: torch.Tensor, path: MatmulPath) -> torch.Tensor:
         # a prompt's rows: AMX tiles straight from the packed weight, or one bf16 matmul with
@@ -199,10 +213,11 @@ class CpuPackedWeight:
         return x @ self.dense_t()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_native.available():
+        if self._native():
             return cpu_int4.int4_mm(x, self.packed, self.scales_zeros, self.out_features,
                                     self.planes, self.lut)
-        if self.group_size != GROUP or self.lut is not None or self.half:  # beyond PyTorch's
+        if (self.group_size != GROUP or self.lut is not None or self.half  # beyond PyTorch's
+                or self.layout != torch_layout()):  # packed for kernels that went away
             return x @ self.dense_t()
         xin = x if self.planes == 1 else torch.cat((x, x), dim=1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP,
@@ -211,7 +226,7 @@ class CpuPackedWeight:
 
     def dense_t(self) -> torch.Tensor:
         """W.T [in, out] in the compute dtype, dequantized for one call."""
-        if cpu_native.available():  # one pass, planes summed in fp32 (3-5x faster)
+        if self._native():  # one pass, planes summed in fp32 (3-5x faster)
             wt = cpu_int4.int4_dequant_t(self.packed, self.scales_zeros, self.planes, self.lut)
             n = self.out_features
             return wt if wt.shape[1] == n else wt[:, :n]
@@ -219,13 +234,16 @@ class CpuPackedWeight:
             rows = self.rows(torch.arange(self.out_features))  # fp32, planes summed
             return rows.t().to(torch.bfloat16)
         n_pad, k2 = self.packed.shape[0], self.packed.shape[1] * 2
-        half = TILE // 2
+        tile, half = self.layout.tile, self.layout.tile // 2
         # flipping each nibble's top bit turns code c into c - 8 under an arithmetic shift
-        b = (self.packed ^ 0x88).view(torch.int8).view(n_pad // TILE, k2, half)
-        # W.T[k, 64t + j] is the low nibble of b[t, k, j] for j < 32, the high one above
-        wt = torch.empty(k2, n_pad // TILE, 2, half, dtype=self.scales_zeros.dtype)
-        wt[:, :, 0].copy_(((b << 4) >> 4).permute(1, 0, 2))
-        wt[:, :, 1].copy_((b >> 4).permute(1, 0, 2))
+        b = (self.packed ^ 0x88).view(torch.int8).view(n_pad // tile, k2, half)
+        # W.T[k, tile * t + r] for the rows r of byte b[t, k, j] (`NibbleLayout`): low nibble
+        # r = j, high r = j + tile / 2 (split), or low 2j, high 2j + 1
+        wt = torch.empty(k2, n_pad // tile, tile, dtype=self.scales_zeros.dtype)
+        nibbles = (wt.view(k2, -1, 2, half).unbind(2) if self.layout.split
+                   else wt.view(k2, -1, half, 2).unbind(3))
+        nibbles[0].copy_(((b << 4) >> 4).permute(1, 0, 2))
+        nibbles[1].copy_((b >> 4).permute(1, 0, 2))
         gs = self.group_size
         groups = wt.view(k2 // gs, gs, n_pad)
         # contiguous copies of the (small) scales and zeros: strided ones make addcmul 3x slower
@@ -265,10 +283,10 @@ class CpuPackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), in], dequantized in fp32 (an embedding lookup); equal to
         the source format's `dequantize()` rows when built with `exact_rows` or half scales."""
-        if self.half and self.codebook is None and cpu_native.available():  # Q8_0, Q4_0, Q5_0
+        if self.half and self.codebook is None and self._native():  # Q8_0, Q4_0, Q5_0
             return cpu_int4.int4_rows_half(self.packed, self.scales_zeros, self.planes, ids)
         t, k2 = len(ids), self.packed.shape[1] * 2
-        c = cpu_int4.packed_row_codes(self.packed, ids)  # [T, K2]
+        c = cpu_int4.packed_row_codes(self.packed, ids, self.layout)  # [T, K2]
         gs = self.group_size
         if self.exact is None and not self.half:
             sz = self.scales_zeros  # -> [T, planes * in / gs, 2]

@@ -22,6 +22,7 @@ from localllm.backends.cpu.attention import decode_batch
 from localllm.backends.cpu.dispatch import NATIVE_KERNEL_MAX_ROWS
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_layers, cpu_native, cpu_ops
+from localllm.kernels.cpu_int4 import NATIVE_LAYOUT
 from localllm.layers.attention import AttentionMetadata, KVCache
 from localllm.layers.backend import DecodeSteps, RowDraw, StepLogits, StepTokens, WholeStep
 from localllm.layers.linear import LinearBase, QuantLinear
@@ -30,7 +31,8 @@ from localllm.layers.stack import DecoderLayout
 
 def _packed(lin: LinearBase | None) -> cpu_layers.PackedLinear | None:
     if (not isinstance(lin, QuantLinear) or lin.bias is not None
-            or not isinstance(lin.qweight, CpuPackedWeight)):
+            or not isinstance(lin.qweight, CpuPackedWeight)
+            or lin.qweight.layout != NATIVE_LAYOUT):
         return None
     q = lin.qweight
     return cpu_layers.PackedLinear(q.packed, q.scales_zeros, q.in_features, q.out_features,
