@@ -8,7 +8,9 @@
  * Every output row n of every row m of x is summed in one order: a from 0 over the group's
  * columns in order, then y = fma(s, a, y), y = fma(zz, sx, y), group by group; whatever M
  * is, so a row gets bitwise the same result alone or in a batch. For M > 1 each group's
- * weights are converted once into an L1 buffer that every row reads.
+ * weights are converted once into an L1 buffer, and blocks of up to 4 rows of x by 3 vectors
+ * of the tile keep their sums in registers (`rows_block`): each weight load serves 4 rows and
+ * each broadcast of x 3 vectors, so the fused multiply-adds, not the loads, set the pace.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -65,12 +67,23 @@ static inline __attribute__((always_inline)) void column8(const uint8_t *col, __
     }
 }
 
+/* vector v of the tile (rows 8v..8v+7) in column k of a group: the low nibbles of bytes
+ * 8v..8v+7 for v < 4, else the high nibbles of bytes 8(v-4).. (cpu_int4.h's layout) */
+static inline __attribute__((always_inline)) __m256 column_vector(
+    const uint8_t *col, const int v, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(col + 8 * (v & 3)));
+    const __m256i b = _mm256_cvtepu8_epi32(bytes);
+    /* the low nibble by two shifts: no mask constant to hold in a register */
+    const __m256i c = v < 4 ? _mm256_srli_epi32(_mm256_slli_epi32(b, 28), 28)
+                            : _mm256_srli_epi32(b, 4);
+    return code_values(c, USE_LUT, lut0, lut1);
+}
+
 /* y (fp32 [64], running) += group g of one 64-row tile for one row of x: a in registers,
- * columns decoded on the fly (wbuf NULL) or read from wbuf (fp32 [GS][64], the same values) */
+ * columns decoded on the fly */
 static inline __attribute__((always_inline)) void group_row(
-    const uint8_t *gcols, const float *wbuf, const uint16_t *xg, const __m256 sc[8],
-    const __m256 zz[8], float sx, float *y, const int GS, const int USE_LUT, __m256 lut0,
-    __m256 lut1) {
+    const uint8_t *gcols, const uint16_t *xg, const __m256 sc[8], const __m256 zz[8], float sx,
+    float *y, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int k = 0; k < GS; k++) {
@@ -78,14 +91,9 @@ static inline __attribute__((always_inline)) void group_row(
         float xf;
         __builtin_memcpy(&xf, &bits, 4);
         const __m256 xk = _mm256_set1_ps(xf);
-        if (wbuf) {
-            for (int i = 0; i < 8; i++)
-                a[i] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wbuf + k * TILE + 8 * i), a[i]);
-        } else {
-            __m256 w[8];
-            column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
-            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
-        }
+        __m256 w[8];
+        column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
     }
     const __m256 sxv = _mm256_set1_ps(sx);
     for (int i = 0; i < 8; i++) {
@@ -93,6 +101,83 @@ static inline __attribute__((always_inline)) void group_row(
         _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(zz[i], sxv, v));
     }
 }
+
+/* rows r0..r0+R-1 (R <= 4) of a chunk, the V (<= 3) vectors v[] of the tile, one group of GS
+ * columns: codes decoded in registers (a vector pair v, v + 4 shares its bytes), the R x V sums
+ * in registers, then each row's y (fp32 [64] at out + r * 64) updated as group_row does. The
+ * same operations in the same order as group_row, so the same bits. */
+static inline __attribute__((always_inline)) void rows_block(
+    const uint8_t *gcols, const float *xb, int r0, const __m256 sc[8], const __m256 zz[8],
+    const float *xs, int64_t xs_stride, float *out, const int GS, const int R, const int V,
+    const int va, const int vb, const int vc, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    const int vs[3] = {va, vb, vc};
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++) acc[r][j] = _mm256_setzero_ps();
+    const float *xr = xb + r0 * 32;
+    for (int k = 0; k < GS; k++) {
+        __m256 w[3];
+#pragma GCC unroll 3
+        for (int j = 0; j < V; j++)
+            w[j] = column_vector(gcols + k * 32, vs[j], USE_LUT, lut0, lut1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 xk = _mm256_broadcast_ss(xr + 32 * r + k);
+#pragma GCC unroll 3
+            for (int j = 0; j < V; j++) acc[r][j] = _mm256_fmadd_ps(xk, w[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256 sxv = _mm256_set1_ps(xs[(r0 + r) * xs_stride]);
+        float *y = out + (r0 + r) * TILE;
+#pragma GCC unroll 3
+        for (int j = 0; j < V; j++) {
+            const int i = vs[j];
+            const __m256 t = _mm256_fmadd_ps(sc[i], acc[r][j], _mm256_loadu_ps(y + 8 * i));
+            _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(zz[i], sxv, t));
+        }
+    }
+}
+
+/* rows r0..r0+R-1 of a chunk through rows_block: the tile's 8 vectors in blocks of 3, 3 and
+ * 2, so that 12 sums (4 rows) hide the multiply-adds' latency; with a codebook, whose two
+ * halves take two registers, in 4 pairs */
+#define ROWS_BLOCK(R, V, va, vb, vc)                                                           \
+    rows_block(gcols, xb, r0, sc, zz, xs, xs_stride, out, GS, R, V, va, vb, vc, USE_LUT, lut0, \
+               lut1)
+#define ROWS_BLOCKS(R)                                                                         \
+    do {                                                                                       \
+        if (USE_LUT) {                                                                         \
+            for (int p = 0; p < 4; p++) ROWS_BLOCK(R, 2, p, p + 4, 0);                         \
+        } else {                                                                               \
+            ROWS_BLOCK(R, 3, 0, 4, 1);                                                         \
+            ROWS_BLOCK(R, 3, 5, 2, 6);                                                         \
+            ROWS_BLOCK(R, 2, 3, 7, 0);                                                         \
+        }                                                                                      \
+    } while (0)
+
+/* every row of a chunk of mc rows (2..8): blocks of 4 rows, the last of 1-3 */
+static inline __attribute__((always_inline)) void chunk_rows(
+    const uint8_t *gcols, const float *xb, int64_t mc, const __m256 sc[8], const __m256 zz[8],
+    const float *xs, int64_t xs_stride, float *out, const int GS, const int USE_LUT,
+    __m256 lut0, __m256 lut1) {
+    for (int r0 = 0; r0 < mc; r0 += 4) {
+        const int64_t left = mc - r0;
+        if (left >= 4)
+            ROWS_BLOCKS(4);
+        else if (left == 3)
+            ROWS_BLOCKS(3);
+        else if (left == 2)
+            ROWS_BLOCKS(2);
+        else
+            ROWS_BLOCKS(1);
+    }
+}
+#undef ROWS_BLOCKS
+#undef ROWS_BLOCK
 
 #define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
 
@@ -103,8 +188,8 @@ static inline __attribute__((always_inline)) void tile8(
     int64_t t, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
     const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
     const float bias = USE_LUT ? 0.0f : 8.0f;
-    float wbuf[32 * TILE] __attribute__((aligned(32)));
     float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64] running sums */
+    float xb[CHUNK_ROWS * 32] __attribute__((aligned(32))); /* [rows][GS] x of a group */
     const uint8_t *tile = packed + t * tile_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
         const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
@@ -119,18 +204,14 @@ static inline __attribute__((always_inline)) void tile8(
             const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
             const float *xs = xsum + m0 * groups + g;
             if (mc == 1) {
-                group_row(gcols, NULL, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT,
-                          lut0, lut1);
+                group_row(gcols, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT, lut0,
+                          lut1);
                 continue;
             }
-            for (int k = 0; k < GS; k++) {
-                __m256 w[8];
-                column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
-                for (int i = 0; i < 8; i++) _mm256_store_ps(wbuf + k * TILE + 8 * i, w[i]);
-            }
-            for (int64_t m = 0; m < mc; m++)
-                group_row(gcols, wbuf, x + (m0 + m) * ldx + kx, sc, zz, xs[m * groups],
-                          out + m * TILE, GS, USE_LUT, lut0, lut1);
+            for (int64_t m = 0; m < mc; m++) /* the group's x in fp32, exactly */
+                for (int k = 0; k < GS; k += 8)
+                    _mm256_store_ps(xb + m * 32 + k, load8_bf16(x + (m0 + m) * ldx + kx + k));
+            chunk_rows(gcols, xb, mc, sc, zz, xs, groups, out, GS, USE_LUT, lut0, lut1);
         }
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
         for (int64_t m = 0; m < mc; m++)

@@ -698,7 +698,7 @@ def iq4_weight(out: int, inp: int, group: int = 32) -> Int4Weight:
 
 
 @pytest.mark.parametrize("group", [32, 16])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 11])  # 11: blocks of 4 rows and a chunk of 8 + 3
 def test_int4_mm_with_a_codebook(group: int, rows: int) -> None:
     w = CpuPackedWeight.from_weight(iq4_weight(96, 128, group), torch.bfloat16)
     assert w.lut is not None and w.group_size == group
@@ -706,6 +706,9 @@ def test_int4_mm_with_a_codebook(group: int, rows: int) -> None:
     y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 96, 1, w.lut)
     want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 96, 1, w.lut)
     bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
+    for i in range(rows):  # each row's bits whatever shares its call
+        assert torch.equal(cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 96, 1,
+                                            w.lut)[0], y[i])
     wt = cpu_int4.int4_dequant_t(w.packed, w.scales_zeros, 1, w.lut)
     bf16_close(wt, cpu_int4.int4_dequant_t_ref(w.packed, w.scales_zeros, 1, w.lut))
 
