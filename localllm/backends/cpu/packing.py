@@ -43,10 +43,9 @@ import functools
 import torch
 
 from localllm.kernels import cpu_native
-from localllm.kernels.cpu_int4 import LAYOUTS, NATIVE_LAYOUT, NibbleLayout
+from localllm.kernels.cpu_int4 import LAYOUTS, NATIVE_LAYOUT, TILE, NibbleLayout
 from localllm.quant.formats import Int4Weight, Int8Weight, unpack_nibbles
 
-TILE = 64  # rows per tile of the packed layout
 GROUP = 32  # the group size PyTorch's int4 kernel and the native one share
 PACK_ROWS = 1024  # rows converted to the packed layout at a time (a multiple of TILE)
 
