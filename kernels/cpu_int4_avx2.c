@@ -1,16 +1,26 @@
 /* The int4 weight-only matmul and dequantization of the AVX2 build (AVX2 + FMA + F16C), on
  * the packed layout and formula of cpu_int4.h, and the AMX entry points as "not here" stubs.
+ * There is no bf16 dot product here; a weight takes one of two paths.
  *
- * No bf16 dot product: each code c becomes an fp32 number (c, or the codebook's hi + lo) and
- * x (bf16, widened exactly) multiplies it in fp32 FMAs. Per group of gs columns, with
- * a = sum_k x[k] c[n, k] and sx = sum of x:
- *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sx         (codebooks: s a + z sx)
- * Every output row n of every row m of x is summed in one order: a from 0 over the group's
- * columns in order, then y = fma(s, a, y), y = fma(zz, sx, y), group by group; whatever M
- * is, so a row gets bitwise the same result alone or in a batch. For M > 1 each group's
- * weights are converted once into an L1 buffer, and blocks of up to 4 rows of x by 3 vectors
- * of the tile keep their sums in registers (`rows_block`): each weight load serves 4 rows and
- * each broadcast of x 3 vectors, so the fused multiply-adds, not the loads, set the pace.
+ * Codes without a codebook: integer products. Each group of gs columns of a row of x is
+ * rounded to 16-bit integers v on a power-of-two scale xs (round_group: every value within 2^7
+ * of the group's largest keeps all its bits, smaller ones round to a multiple of xs, below
+ * 2^-15 of the largest), and per group and output row
+ *     A = sum_k v[k] c[n, k]   (vpmaddwd: exact in int32),  a = A xs,  sxr = xs sum_k v[k]
+ *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sxr
+ * then y = fma(s, a, y), y = fma(zz, sxr, y), group by group. On Zen 2 a 16-bit product pair
+ * costs what one fp32 FMA does (one vpmaddwd a cycle, two FMAs), and the codes need no
+ * conversion to fp32: a one-row matmul took 0.68 of the time of fp32 FMAs, whose conversions
+ * bound it (one vcvtdq2ps a cycle).
+ *
+ * Codes through a codebook (hi + lo in fp32): fp32 products. Each code becomes its fp32 value
+ * and x (bf16, widened exactly) multiplies it in fp32 FMAs. With a = sum_k x[k] lut[c[n, k]]
+ * and sx = sum of x: y = fma(s, a, y), y = fma(z, sx, y), group by group, a summed from 0 over
+ * the group's columns in order. For M > 1, blocks of up to 4 rows of x by 2 vectors of the
+ * tile keep their sums in registers (`rows_block`).
+ *
+ * On both paths every output row n of every row m of x is computed by the same operations in
+ * the same order whatever M is, so a row gets bitwise the same result alone or in a batch.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -28,24 +38,51 @@
 #endif
 
 
-/* scale of rows row..row+7 of group g (g < K2 / gs) in fp32; *zz = zero - bias * scale
- * (the forms of cpu_int4_groups.h's `Scales`) */
-static inline __m256 group_scale8(const Scales *s, int64_t g, int64_t row, float bias,
-                                  __m256 *zz) {
+/* where the scales of group g (g < K2 / gs) begin for the tile whose first row is row0; a row
+ * takes one value there (half) or a pair (scale, zero), the rows of a tile in order (the forms of
+ * cpu_int4_groups.h's `Scales`) */
+static inline const uint16_t *tile_scales(const Scales *s, int64_t g, int64_t row0) {
+    return s->half ? s->p + (g % s->plane_groups) * s->n_pad + row0 : s->p + pair_at(s, g, row0);
+}
+
+/* scales of 8 rows of group g in fp32, from p = tile_scales(s, g, row0): rows row0 + ra ..
+ * + 3 in lanes 0-3, row0 + rb .. + 3 in lanes 4-7; *zz = zero - bias * scale */
+static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g, int ra, int rb,
+                                  float bias, __m256 *zz) {
     __m256 sc, zr;
     if (s->half) {
-        const uint16_t *p = s->p + (g % s->plane_groups) * s->n_pad + row;
-        const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 h = _mm256_cvtph_ps(_mm_unpacklo_epi64(
+            _mm_loadl_epi64((const __m128i *)(p + ra)), _mm_loadl_epi64((const __m128i *)(p + rb))));
         const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
         sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
         zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
     } else {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(s->p + pair_at(s, g, row)));
+        const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 2 * rb)),
+                                           _mm_loadu_si128((const __m128i *)(p + 2 * ra)));
         sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         zr = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
     }
     *zz = _mm256_fnmadd_ps(sc, _mm256_set1_ps(bias), zr);
     return sc;
+}
+
+/* the scales of a tile's 64 rows (from row0) DIST groups after group g into L2: a tiled pairs
+ * form holds the groups of a tile, then of the next, 256 bytes each; the other forms a group's
+ * rows n_pad values apart. The hardware's prefetch missed them: with the integer path, a one-row
+ * matmul stalled 20% of its time on these loads. */
+#ifndef SCALE_PREFETCH_GROUPS
+#define SCALE_PREFETCH_GROUPS 2
+#endif
+static inline void prefetch_scales(const Scales *s, int64_t g, int64_t row0) {
+    const int64_t gd = g + SCALE_PREFETCH_GROUPS;
+    if (s->tiled) {
+        const char *p = (const char *)(s->p + pair_at(s, g, row0)) + 256 * SCALE_PREFETCH_GROUPS;
+        for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, STREAM_HINT);
+    } else if (gd < s->planes * s->plane_groups) {
+        const char *p = s->half ? (const char *)(s->p + (gd % s->plane_groups) * s->n_pad + row0)
+                                : (const char *)(s->p + pair_at(s, gd, row0));
+        for (int l = 0; l < (s->half ? 128 : 256); l += 64) _mm_prefetch(p + l, STREAM_HINT);
+    }
 }
 
 /* the fp32 value of the codes in each lane: c itself, or lut[c] (lut0: entries 0-7, lut1:
@@ -67,23 +104,27 @@ static inline __attribute__((always_inline)) void column8(const uint8_t *col, __
     }
 }
 
-/* vector v of the tile (rows 8v..8v+7) in column k of a group: the low nibbles of bytes
- * 8v..8v+7 for v < 4, else the high nibbles of bytes 8(v-4).. (cpu_int4.h's layout) */
-static inline __attribute__((always_inline)) __m256 column_vector(
-    const uint8_t *col, const int v, const int USE_LUT, __m256 lut0, __m256 lut1) {
+/* ---- The fp32 path: codes through a codebook ---- */
+
+/* vector v of the tile (rows 8v..8v+7) in column k of a group, through the codebook: the low
+ * nibbles of bytes 8v..8v+7 for v < 4, else the high nibbles of bytes 8(v-4).. (cpu_int4.h's
+ * layout) */
+static inline __attribute__((always_inline)) __m256 column_vector(const uint8_t *col,
+                                                                  const int v, __m256 lut0,
+                                                                  __m256 lut1) {
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)(col + 8 * (v & 3)));
     const __m256i b = _mm256_cvtepu8_epi32(bytes);
     /* the low nibble by two shifts: no mask constant to hold in a register */
     const __m256i c = v < 4 ? _mm256_srli_epi32(_mm256_slli_epi32(b, 28), 28)
                             : _mm256_srli_epi32(b, 4);
-    return code_values(c, USE_LUT, lut0, lut1);
+    return code_values(c, 1, lut0, lut1);
 }
 
 /* y (fp32 [64], running) += group g of one 64-row tile for one row of x: a in registers,
  * columns decoded on the fly */
 static inline __attribute__((always_inline)) void group_row(
     const uint8_t *gcols, const uint16_t *xg, const __m256 sc[8], const __m256 zz[8], float sx,
-    float *y, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    float *y, const int GS, __m256 lut0, __m256 lut1) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int k = 0; k < GS; k++) {
@@ -92,7 +133,7 @@ static inline __attribute__((always_inline)) void group_row(
         __builtin_memcpy(&xf, &bits, 4);
         const __m256 xk = _mm256_set1_ps(xf);
         __m256 w[8];
-        column8(gcols + k * 32, w, USE_LUT, lut0, lut1);
+        column8(gcols + k * 32, w, 1, lut0, lut1);
         for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, w[i], a[i]);
     }
     const __m256 sxv = _mm256_set1_ps(sx);
@@ -109,7 +150,7 @@ static inline __attribute__((always_inline)) void group_row(
 static inline __attribute__((always_inline)) void rows_block(
     const uint8_t *gcols, const float *xb, int r0, const __m256 sc[8], const __m256 zz[8],
     const float *xs, int64_t xs_stride, float *out, const int GS, const int R, const int V,
-    const int va, const int vb, const int vc, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    const int va, const int vb, const int vc, __m256 lut0, __m256 lut1) {
     const int vs[3] = {va, vb, vc};
     __m256 acc[4][3];
 #pragma GCC unroll 4
@@ -121,7 +162,7 @@ static inline __attribute__((always_inline)) void rows_block(
         __m256 w[3];
 #pragma GCC unroll 3
         for (int j = 0; j < V; j++)
-            w[j] = column_vector(gcols + k * 32, vs[j], USE_LUT, lut0, lut1);
+            w[j] = column_vector(gcols + k * 32, vs[j], lut0, lut1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256 xk = _mm256_broadcast_ss(xr + 32 * r + k);
@@ -142,28 +183,16 @@ static inline __attribute__((always_inline)) void rows_block(
     }
 }
 
-/* rows r0..r0+R-1 of a chunk through rows_block: the tile's 8 vectors in blocks of 3, 3 and
- * 2, so that 12 sums (4 rows) hide the multiply-adds' latency; with a codebook, whose two
- * halves take two registers, in 4 pairs */
-#define ROWS_BLOCK(R, V, va, vb, vc)                                                           \
-    rows_block(gcols, xb, r0, sc, zz, xs, xs_stride, out, GS, R, V, va, vb, vc, USE_LUT, lut0, \
-               lut1)
+/* rows r0..r0+R-1 of a chunk through rows_block: the tile's 8 vectors in 4 pairs (a
+ * codebook's two halves take two registers) */
 #define ROWS_BLOCKS(R)                                                                         \
-    do {                                                                                       \
-        if (USE_LUT) {                                                                         \
-            for (int p = 0; p < 4; p++) ROWS_BLOCK(R, 2, p, p + 4, 0);                         \
-        } else {                                                                               \
-            ROWS_BLOCK(R, 3, 0, 4, 1);                                                         \
-            ROWS_BLOCK(R, 3, 5, 2, 6);                                                         \
-            ROWS_BLOCK(R, 2, 3, 7, 0);                                                         \
-        }                                                                                      \
-    } while (0)
+    for (int p = 0; p < 4; p++)                                                                \
+    rows_block(gcols, xb, r0, sc, zz, xs, xs_stride, out, GS, R, 2, p, p + 4, 0, lut0, lut1)
 
 /* every row of a chunk of mc rows (2..8): blocks of 4 rows, the last of 1-3 */
 static inline __attribute__((always_inline)) void chunk_rows(
     const uint8_t *gcols, const float *xb, int64_t mc, const __m256 sc[8], const __m256 zz[8],
-    const float *xs, int64_t xs_stride, float *out, const int GS, const int USE_LUT,
-    __m256 lut0, __m256 lut1) {
+    const float *xs, int64_t xs_stride, float *out, const int GS, __m256 lut0, __m256 lut1) {
     for (int r0 = 0; r0 < mc; r0 += 4) {
         const int64_t left = mc - r0;
         if (left >= 4)
@@ -177,17 +206,15 @@ static inline __attribute__((always_inline)) void chunk_rows(
     }
 }
 #undef ROWS_BLOCKS
-#undef ROWS_BLOCK
 
 #define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
 
-/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time */
+/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time, on the fp32 path */
 static inline __attribute__((always_inline)) void tile8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
     const Scales *sz, int64_t N, int64_t K2, const float *xsum, uint16_t *y, int64_t ldy,
-    int64_t t, const int GS, const int USE_LUT, __m256 lut0, __m256 lut1) {
+    int64_t t, const int GS, __m256 lut0, __m256 lut1) {
     const int64_t groups = K2 / GS, tile_bytes = K2 * 32;
-    const float bias = USE_LUT ? 0.0f : 8.0f;
     float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64] running sums */
     float xb[CHUNK_ROWS * 32] __attribute__((aligned(32))); /* [rows][GS] x of a group */
     const uint8_t *tile = packed + t * tile_bytes;
@@ -196,28 +223,276 @@ static inline __attribute__((always_inline)) void tile8(
         for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
         for (int64_t g = 0; g < groups; g++) {
             __m256 sc[8], zz[8];
-            for (int i = 0; i < 8; i++)
-                sc[i] = group_scale8(sz, g, t * TILE + 8 * i, bias, &zz[i]);
+            const uint16_t *sp = tile_scales(sz, g, t * TILE);
+            for (int i = 0; i < 8; i++) sc[i] = group_scales(sz, sp, g, 8 * i, 8 * i + 4, 0.0f, &zz[i]);
             const uint8_t *gcols = tile + g * GS * 32;
             for (int l = 0; l < GS * 32; l += 64)
                 _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, STREAM_HINT);
             const int64_t kx = g * GS - (g * GS >= K ? K : 0); /* plane 1 reads x again */
             const float *xs = xsum + m0 * groups + g;
             if (mc == 1) {
-                group_row(gcols, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, USE_LUT, lut0,
-                          lut1);
+                group_row(gcols, x + m0 * ldx + kx, sc, zz, xs[0], out, GS, lut0, lut1);
                 continue;
             }
             for (int64_t m = 0; m < mc; m++) /* the group's x in fp32, exactly */
                 for (int k = 0; k < GS; k += 8)
                     _mm256_store_ps(xb + m * 32 + k, load8_bf16(x + (m0 + m) * ldx + kx + k));
-            chunk_rows(gcols, xb, mc, sc, zz, xs, groups, out, GS, USE_LUT, lut0, lut1);
+            chunk_rows(gcols, xb, mc, sc, zz, xs, groups, out, GS, lut0, lut1);
         }
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
         for (int64_t m = 0; m < mc; m++)
             for (int64_t r = 0; r < rows; r += 8)
                 store_bf16_n(y + (m0 + m) * ldy + n0 + r, _mm256_load_ps(out + m * TILE + r),
                              rows - r);
+    }
+}
+
+/* ---- The integer path: codes without a codebook ---- */
+
+/* x's rows as the integer path reads them: each group of gs columns of a row rounded to 16-bit
+ * integers on a power-of-two scale (round_group) */
+typedef struct {
+    int16_t *v;      /* [M][K] */
+    float *xs, *sxr; /* [M][K / gs]: the group's scale, and xs * (the sum of its v) */
+} IntRows;
+
+/* bytes of IntRows a call keeps on its own stack (a decode step's rows fit), else malloc'd */
+#define INT_ROOM 49152
+
+static inline float pow2f(int e) { /* 2^e, -149 <= e <= 127 */
+    const uint32_t bits = e >= -126 ? (uint32_t)(e + 127) << 23 : 1u << (e + 149);
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One group of gs (16, 32) bf16 values at x -> v (int16 [gs]), *xs and *sxr. With 2^E <= max |x|
+ * < 2^(E+1): v = rint(x 2^(14 - E)), |v| <= 32640, and xs = 2^(E - 14). Every value within 2^7
+ * of the group's largest keeps all its bits (bf16 has 8 significant bits); smaller ones round to
+ * a multiple of xs, less than 2^-15 of the largest. A group of zeros: v = 0, xs = 0; one with an
+ * inf or a NaN: v = 0 and xs = NaN, so that its outputs are NaN. */
+static inline void round_group(const uint16_t *x, const int gs, int16_t *v, float *xs,
+                               float *sxr) {
+    __m256 f[4];
+    __m256i top = _mm256_setzero_si256(); /* the largest |x| as bits: integers order them */
+    for (int i = 0; i < gs / 8; i++) {
+        f[i] = load8_bf16(x + 8 * i);
+        top = _mm256_max_epi32(top, _mm256_and_si256(_mm256_castps_si256(f[i]),
+                                                     _mm256_set1_epi32(0x7FFFFFFF)));
+    }
+    __m128i t = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    const uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
+    if (bits == 0 || bits >= 0x7F800000u) {
+        __builtin_memset(v, 0, (size_t)gs * 2);
+        *xs = *sxr = bits ? __builtin_nanf("") : 0.0f;
+        return;
+    }
+    int E = (int)(bits >> 23) - 127;
+    if (E < -126) E = -126; /* a subnormal largest value */
+    const int e = 14 - E, e1 = e / 2;
+    /* two exact scalings: 2^e alone may not be a float */
+    const __m256 p1 = _mm256_set1_ps(pow2f(e1)), p2 = _mm256_set1_ps(pow2f(e - e1));
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < gs / 8; i += 2) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[i], p1), p2));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[i + 1], p1), p2));
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        _mm256_storeu_si256((__m256i *)(v + 8 * i), w);
+    }
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    *xs = pow2f(E - 14);
+    *sxr = *xs * (float)_mm_cvtsi128_si32(s);
+}
+
+/* The M rows of x (bf16 [M][ldx], K columns) rounded per group of gs, into room (INT_ROOM
+ * bytes) where they fit, else into memory the caller frees (returned); NULL when out of
+ * memory. */
+static void *round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t gs,
+                            void *room, IntRows *r) {
+    const int64_t groups = K / gs, v_bytes = (M * K * 2 + 31) / 32 * 32;
+    const int64_t bytes = v_bytes + 2 * M * groups * (int64_t)sizeof(float);
+    void *mem = bytes <= INT_ROOM ? room : aligned_alloc(32, (size_t)((bytes + 31) / 32 * 32));
+    if (!mem) return NULL;
+    r->v = mem;
+    r->xs = (float *)((char *)mem + v_bytes);
+    r->sxr = r->xs + M * groups;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++)
+            round_group(x + m * ldx + g * gs, (int)gs, r->v + m * K + g * gs,
+                        r->xs + m * groups + g, r->sxr + m * groups + g);
+    return mem;
+}
+
+/* The integer sums' order of a tile's 64 rows ("W order"): vector j < 4 holds rows 4j..4j+3 and
+ * 16+4j..16+4j+3, vector 4 + j the same rows + 32. A column pair (k, k+1), 32 bytes each, becomes
+ * for vector q < 4 the words (byte of column k, byte of column k+1) of those rows, one row a
+ * 32-bit lane (in-lane unpacks): a word's low nibble is a code of vector q, its high one of
+ * vector q + 4. */
+static inline __m256i pair_words(__m256i ck, __m256i ck1, const int q) {
+    const __m256i p = q >> 1 ? _mm256_unpackhi_epi8(ck, ck1) : _mm256_unpacklo_epi8(ck, ck1);
+    return q & 1 ? _mm256_unpackhi_epi8(p, _mm256_setzero_si256())
+                 : _mm256_unpacklo_epi8(p, _mm256_setzero_si256());
+}
+
+/* the first row of vector j of the W order in a tile */
+static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
+
+/* A[(r * 2 + h) * Q + i] (int32, W order vector q + 4 h, q = q0 + i, i < Q) = the sum over the
+ * group's columns k of v[k] c[row, k], exact, for R rows of x at vg (ldv apart): each column
+ * pair decoded once for the R rows. Q = 2 (one row: q0 = 0 or 2, a pair's first unpack shared)
+ * or 1 (2-4 rows); at most 8 sums, so that they stay in registers with what decodes the codes
+ * (in an array of 16, GCC kept them in memory). */
+static inline __attribute__((always_inline)) void rows_int(const uint8_t *gcols,
+                                                           const int16_t *vg, int64_t ldv,
+                                                           const int GS, const int R,
+                                                           const int q0, const int Q,
+                                                           __m256i A[8]) {
+    const __m256i lo4 = _mm256_set1_epi16(0x0F);
+    __m256i a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * R * Q; j++) a[j] = _mm256_setzero_si256();
+    /* not unrolled: unrolled, GCC reordered the sums and kept some of them in memory */
+#pragma GCC unroll 1
+    for (int kp = 0; kp < GS / 2; kp++) {
+        const __m256i ck = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp));
+        const __m256i ck1 = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp + 32));
+        __m256i wl[2], wh[2];
+#pragma GCC unroll 2
+        for (int i = 0; i < Q; i++) {
+            const __m256i w = pair_words(ck, ck1, q0 + i);
+            wl[i] = _mm256_and_si256(w, lo4);
+            wh[i] = _mm256_srli_epi16(w, 4); /* a word's high byte is 0 */
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, vg + r * ldv + 2 * kp, 4);
+            const __m256i xv = _mm256_set1_epi32(pair);
+#pragma GCC unroll 2
+            for (int i = 0; i < Q; i++) {
+                a[2 * r * Q + i] = _mm256_add_epi32(a[2 * r * Q + i], _mm256_madd_epi16(wl[i], xv));
+                a[(2 * r + 1) * Q + i] =
+                    _mm256_add_epi32(a[(2 * r + 1) * Q + i], _mm256_madd_epi16(wh[i], xv));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * R * Q; j++) A[j] = a[j];
+}
+
+/* y[j] (fp32 [8], W order) of one row of x += its group: a = A xs, y = fma(s, a, y), then
+ * y = fma(zz, sxr, y) */
+static inline void update_int(__m256i A, const int j, const __m256 sc[8], const __m256 zz[8],
+                              float xs, float sxr, float *y) {
+    const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(A), _mm256_set1_ps(xs));
+    const __m256 t = _mm256_fmadd_ps(sc[j], a, _mm256_load_ps(y + 8 * j));
+    _mm256_store_ps(y + 8 * j, _mm256_fmadd_ps(zz[j], _mm256_set1_ps(sxr), t));
+}
+
+/* One block of rows_int and its update_int: R rows of x from row r0 of a chunk (their v at vg,
+ * ldv apart; xs, sxr a row apart by xstride), vectors q0.. q0 + Q - 1 and 4 more of the W order;
+ * a function of its own for each shape, so that GCC allocates the registers of each alone (in
+ * one function it kept the sums of the later blocks in memory) */
+#define BLOCK_ARGS                                                                             \
+    const uint8_t *gcols, const int16_t *vg, int64_t ldv, const __m256 *sc, const __m256 *zz,  \
+        const float *xs, const float *sxr, int64_t xstride, float *out
+typedef void (*IntBlock)(BLOCK_ARGS);
+#define INT_BLOCK(GS, R, q0, Q)                                                                \
+    static __attribute__((noinline)) void int_block_##GS##_##R##_##q0##_##Q(BLOCK_ARGS) {      \
+        __m256i A[8];                                                                          \
+        rows_int(gcols, vg, ldv, GS, R, q0, Q, A);                                             \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int h = 0; h < 2; h++)                                                        \
+                for (int i = 0; i < Q; i++)                                                    \
+                    update_int(A[(2 * r + h) * Q + i], q0 + i + 4 * h, sc, zz,                 \
+                               xs[r * xstride], sxr[r * xstride], out + r * TILE);             \
+    }
+#define INT_BLOCKS(GS)                                                                         \
+    INT_BLOCK(GS, 1, 0, 2)                                                                     \
+    INT_BLOCK(GS, 1, 2, 2)                                                                     \
+    INT_BLOCK(GS, 2, 0, 1) INT_BLOCK(GS, 2, 1, 1) INT_BLOCK(GS, 2, 2, 1) INT_BLOCK(GS, 2, 3, 1) \
+    INT_BLOCK(GS, 3, 0, 1) INT_BLOCK(GS, 3, 1, 1) INT_BLOCK(GS, 3, 2, 1) INT_BLOCK(GS, 3, 3, 1) \
+    INT_BLOCK(GS, 4, 0, 1) INT_BLOCK(GS, 4, 1, 1) INT_BLOCK(GS, 4, 2, 1) INT_BLOCK(GS, 4, 3, 1) \
+    /* [rows - 1]: the blocks that cover all 64 rows of the tile */                            \
+    static const IntBlock INT_BLOCKS_##GS[4][4] = {                                            \
+        {int_block_##GS##_1_0_2, int_block_##GS##_1_2_2, NULL, NULL},                          \
+        {int_block_##GS##_2_0_1, int_block_##GS##_2_1_1, int_block_##GS##_2_2_1,               \
+         int_block_##GS##_2_3_1},                                                              \
+        {int_block_##GS##_3_0_1, int_block_##GS##_3_1_1, int_block_##GS##_3_2_1,               \
+         int_block_##GS##_3_3_1},                                                              \
+        {int_block_##GS##_4_0_1, int_block_##GS##_4_1_1, int_block_##GS##_4_2_1,               \
+         int_block_##GS##_4_3_1}};
+INT_BLOCKS(32)
+INT_BLOCKS(16)
+#undef INT_BLOCKS
+#undef INT_BLOCK
+
+/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time, on the integer path: per
+ * group and row of x the sums A are exact integers, then update_int, group by group, whatever
+ * M is, so that a row's result is bitwise the same alone or in a batch */
+static inline __attribute__((always_inline)) void tile8_int(
+    const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz,
+    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, const int GS) {
+    const int64_t groups = K2 / GS, per_plane = K / GS, tile_bytes = K2 * 32;
+    float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64], W order */
+    const uint8_t *tile = packed + t * tile_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+        for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 sc[8], zz[8];
+            prefetch_scales(sz, g, t * TILE);
+            const uint16_t *sp = tile_scales(sz, g, t * TILE);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                sc[j] = group_scales(sz, sp, g, w_row(j), w_row(j) + 16, 8.0f, &zz[j]);
+            const uint8_t *gcols = tile + g * GS * 32;
+            for (int l = 0; l < GS * 32; l += 64)
+                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, STREAM_HINT);
+            const int64_t gx = g % per_plane; /* plane 1 reads x again */
+            const int16_t *vg = xr->v + m0 * K + gx * GS;
+            const float *xs = xr->xs + m0 * per_plane + gx, *sxr = xr->sxr + m0 * per_plane + gx;
+            if (mc == 1) { /* inline: through the blocks' function pointers it took 1.07x as long */
+                __m256i A[8];
+                for (int q0 = 0; q0 < 4; q0 += 2) {
+                    rows_int(gcols, vg, K, GS, 1, q0, 2, A);
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 2; i++)
+                            update_int(A[2 * h + i], q0 + i + 4 * h, sc, zz, xs[0], sxr[0], out);
+                }
+                continue;
+            }
+            const IntBlock(*blocks)[4] = GS == 32 ? INT_BLOCKS_32 : INT_BLOCKS_16;
+            for (int64_t r0 = 0; r0 < mc; r0 += 4) {
+                const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
+                for (int b = 0; b < 4 && blocks[rows - 1][b]; b++)
+                    blocks[rows - 1][b](gcols, vg + r0 * K, K, sc, zz, xs + r0 * per_plane,
+                                        sxr + r0 * per_plane, per_plane, out + r0 * TILE);
+            }
+        }
+        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < mc; m++) {
+            const float *o = out + m * TILE;
+            for (int h = 0; h < 2; h++) { /* W order -> rows in order: 32 rows a half */
+                const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);
+                const __m256 w2 = _mm256_load_ps(o + 32 * h + 16);
+                const __m256 w3 = _mm256_load_ps(o + 32 * h + 24);
+                const __m256 n[4] = {_mm256_permute2f128_ps(w0, w1, 0x20),
+                                     _mm256_permute2f128_ps(w2, w3, 0x20),
+                                     _mm256_permute2f128_ps(w0, w1, 0x31),
+                                     _mm256_permute2f128_ps(w2, w3, 0x31)};
+                for (int i = 0; i < 4; i++) {
+                    const int64_t r = 32 * h + 8 * i;
+                    if (r < rows)
+                        store_bf16_n(y + (m0 + m) * ldy + n0 + r, n[i], rows - r);
+                }
+            }
+        }
     }
 }
 
@@ -228,21 +503,21 @@ static inline __attribute__((always_inline)) void tile8(
  * copy in each, decode ran 13% slower: in-process A/B, 12 pairs). */
 static __attribute__((noinline)) void tile_share8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
-    int64_t ldy, int64_t gs, const uint16_t *lut, __m256 lut0, __m256 lut1, int64_t *ranges,
-    int64_t nth, int64_t id) {
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
+    const IntRows *xr, uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut, __m256 lut0,
+    __m256 lut1, int64_t *ranges, int64_t nth, int64_t id) {
     Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
     int64_t t0, t1;
     while (share_next(&share, &t0, &t1)) {
         for (int64_t t = t0; t < t1; t++) {
             if (gs == 32 && !lut)
-                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 0, lut0, lut1);
+                tile8_int(xr, M, K, packed, sz, N, K2, y, ldy, t, 32);
             else if (gs == 16 && !lut)
-                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 0, lut0, lut1);
+                tile8_int(xr, M, K, packed, sz, N, K2, y, ldy, t, 16);
             else if (gs == 32)
-                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, 1, lut0, lut1);
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, lut0, lut1);
             else
-                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, 1, lut0, lut1);
+                tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, lut0, lut1);
         }
     }
 }
@@ -256,19 +531,27 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
     const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
     float room[XSUM_ROOM];
-    float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
-    if (!xsum) return -1;
+    unsigned char int_room[INT_ROOM] __attribute__((aligned(32)));
+    IntRows xr = {0};
+    float *xsum = NULL;
+    void *rounded = NULL;
     __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
-    if (lut) { /* the fp32 codebook hi + lo */
+    if (lut) { /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
+        xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
+        if (!xsum) return -1;
         lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
         lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
+    } else { /* the integer path: x rounded */
+        rounded = round_rows_int(x, M, K, ldx, gs, int_room, &xr);
+        if (!rounded) return -1;
     }
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
     SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
-    TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs,
-                                  lut, lut0, lut1, ranges, nth, id));
-    if (xsum != room) free(xsum);
+    TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, &xr, y, ldy,
+                                  gs, lut, lut0, lut1, ranges, nth, id));
+    if (xsum && xsum != room) free(xsum);
+    if (rounded && rounded != int_room) free(rounded);
     return 0;
 }
 
@@ -320,10 +603,12 @@ void int4_dequant_t(const uint8_t *packed, const uint16_t *sz_p, int64_t K, int6
         const uint8_t *tile = packed + t * K2 * 32;
         for (int64_t g = 0; g < K / gs; g++) {
             __m256 sc[2][8], zz[2][8];
-            for (int64_t p = 0; p < planes; p++)
+            for (int64_t p = 0; p < planes; p++) {
+                const int64_t gp = p * K / gs + g;
+                const uint16_t *sp = tile_scales(&sz, gp, t * TILE);
                 for (int i = 0; i < 8; i++)
-                    sc[p][i] = group_scale8(&sz, p * K / gs + g, t * TILE + 8 * i, bias,
-                                            &zz[p][i]);
+                    sc[p][i] = group_scales(&sz, sp, gp, 8 * i, 8 * i + 4, bias, &zz[p][i]);
+            }
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
                 __m256 w[8], acc[8];
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();

@@ -110,6 +110,33 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
             bf16_close(alone, batched[i])
 
 
+@pytest.mark.parametrize("group", [32, 16])
+def test_int4_mm_rows_of_any_range_and_non_finite_rows(group: int) -> None:
+    """Rows far from 1 in size, a group whose values span 2^20, a zero row and rows holding an
+    inf or a NaN: the finite rows match the reference (the AVX2 build rounds each group of x to
+    16-bit integers on a power-of-two scale), a zero row gives zeros, a non-finite row gives no
+    finite output, and no row changes another's bits."""
+    w = packed(128, 256, 1, group=group)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(8, 256, generator=g)
+    wide = base[0].clone()
+    wide[::group] = 3e4  # each group: one large value, the rest about 2^-15 of it and less
+    wide[1::group] = 1e-3
+    rows = [base[1] * 1e-30, base[2] * 1e30, wide, torch.zeros(256), base[3], base[4], base[5]]
+    rows[4][17] = float("inf")
+    rows[5][200] = float("nan")
+    x = torch.stack(rows).bfloat16()
+    y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 128, 1)
+    want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 128, 1)
+    for i in (0, 1, 2, 6):
+        bf16_close(y[i], want[i], atol=1e-5 * float(want[i].float().abs().max()))
+    assert torch.equal(y[3], torch.zeros(128, dtype=torch.bfloat16))
+    assert not torch.isfinite(y[4]).any() and not torch.isfinite(y[5]).any()
+    for i in range(7):
+        alone = cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 128, 1)[0]
+        torch.testing.assert_close(alone, y[i], rtol=0.0, atol=0.0, equal_nan=True)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_kernels_give_the_same_bits_however_the_threads_share_the_tiles(rows: int) -> None:
     # each thread takes its own share and then steals from the others' (cpu_team.h's
