@@ -352,21 +352,19 @@ static inline __attribute__((always_inline)) void rows_int(const uint8_t *gcols,
                                                            const int GS, const int R,
                                                            const int q0, const int Q,
                                                            __m256i A[8]) {
-    const __m256i lo4 = _mm256_set1_epi16(0x0F);
     __m256i a[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 2 * R * Q; j++) a[j] = _mm256_setzero_si256();
-    /* not unrolled: unrolled, GCC reordered the sums and kept some of them in memory */
-#pragma GCC unroll 1
+    /* by 2: unrolled whole, GCC reordered the sums and kept some of them in memory */
+#pragma GCC unroll 2
     for (int kp = 0; kp < GS / 2; kp++) {
         const __m256i ck = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp));
         const __m256i ck1 = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp + 32));
-        __m256i wl[2], wh[2];
+        __m256i wb[2], wh[2]; /* the whole bytes lo + 16 hi, and hi */
 #pragma GCC unroll 2
         for (int i = 0; i < Q; i++) {
-            const __m256i w = pair_words(ck, ck1, q0 + i);
-            wl[i] = _mm256_and_si256(w, lo4);
-            wh[i] = _mm256_srli_epi16(w, 4); /* a word's high byte is 0 */
+            wb[i] = pair_words(ck, ck1, q0 + i);
+            wh[i] = _mm256_srli_epi16(wb[i], 4); /* a word's high byte is 0 */
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
@@ -375,14 +373,22 @@ static inline __attribute__((always_inline)) void rows_int(const uint8_t *gcols,
             const __m256i xv = _mm256_set1_epi32(pair);
 #pragma GCC unroll 2
             for (int i = 0; i < Q; i++) {
-                a[2 * r * Q + i] = _mm256_add_epi32(a[2 * r * Q + i], _mm256_madd_epi16(wl[i], xv));
+                a[2 * r * Q + i] = _mm256_add_epi32(a[2 * r * Q + i], _mm256_madd_epi16(wb[i], xv));
                 a[(2 * r + 1) * Q + i] =
                     _mm256_add_epi32(a[(2 * r + 1) * Q + i], _mm256_madd_epi16(wh[i], xv));
             }
         }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * R * Q; j++) A[j] = a[j];
+    /* the low nibbles' sums: the whole bytes' less 16 times the high ones' (exact: a pair of
+     * products is below 2^24, a group's 16 pairs below 2^28) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int i = 0; i < Q; i++) {
+            A[2 * r * Q + i] = _mm256_sub_epi32(a[2 * r * Q + i],
+                                                _mm256_slli_epi32(a[(2 * r + 1) * Q + i], 4));
+            A[(2 * r + 1) * Q + i] = a[(2 * r + 1) * Q + i];
+        }
 }
 
 /* y[j] (fp32 [8], W order) of one row of x += its group: a = A xs, y = fma(s, a, y), then
