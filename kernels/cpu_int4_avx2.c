@@ -10,8 +10,9 @@
  *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sxr
  * then y = fma(s, a, y), y = fma(zz, sxr, y), group by group. On Zen 2 a 16-bit product pair
  * costs what one fp32 FMA does (one vpmaddwd a cycle, two FMAs), and the codes need no
- * conversion to fp32: a one-row matmul took 0.68 of the time of fp32 FMAs, whose conversions
- * bound it (one vcvtdq2ps a cycle).
+ * conversion to fp32 (one vcvtdq2ps a cycle bound the fp32 path): a one-row matmul takes about
+ * 0.6 of the time it did in fp32 FMAs. vpmaddwd multiplies each code's whole byte (lo + 16 hi)
+ * and its high nibble; the low nibble's sum is the difference.
  *
  * Codes through a codebook (hi + lo in fp32): fp32 products. Each code becomes its fp32 value
  * and x (bf16, widened exactly) multiplies it in fp32 FMAs. With a = sum_k x[k] lut[c[n, k]]
@@ -66,10 +67,10 @@ static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g,
     return sc;
 }
 
-/* the scales of a tile's 64 rows (from row0) DIST groups after group g into L2: a tiled pairs
- * form holds the groups of a tile, then of the next, 256 bytes each; the other forms a group's
- * rows n_pad values apart. The hardware's prefetch missed them: with the integer path, a one-row
- * matmul stalled 20% of its time on these loads. */
+/* the scales of a tile's 64 rows (from row0) SCALE_PREFETCH_GROUPS groups after group g into
+ * L2: a tiled pairs form holds the groups of a tile, then of the next, 256 bytes each; the
+ * other forms a group's rows n_pad values apart. Without it, the integer path's one-row
+ * matmul of a 3072 x 576 weight took 1.2x as long (the hardware's prefetch missed them). */
 #ifndef SCALE_PREFETCH_GROUPS
 #define SCALE_PREFETCH_GROUPS 2
 #endif
@@ -400,23 +401,31 @@ static inline void update_int(__m256i A, const int j, const __m256 sc[8], const 
     _mm256_store_ps(y + 8 * j, _mm256_fmadd_ps(zz[j], _mm256_set1_ps(sxr), t));
 }
 
-/* One block of rows_int and its update_int: R rows of x from row r0 of a chunk (their v at vg,
- * ldv apart; xs, sxr a row apart by xstride), vectors q0.. q0 + Q - 1 and 4 more of the W order;
- * a function of its own for each shape, so that GCC allocates the registers of each alone (in
- * one function it kept the sums of the later blocks in memory) */
+/* One block of rows_int and its update_int: R rows of x (their v at vg, ldv apart; xs and
+ * sxr a row apart by xstride; y at out, TILE apart), vectors q0 .. q0 + Q - 1 and 4 more of the
+ * W order */
 #define BLOCK_ARGS                                                                             \
     const uint8_t *gcols, const int16_t *vg, int64_t ldv, const __m256 *sc, const __m256 *zz,  \
         const float *xs, const float *sxr, int64_t xstride, float *out
+static inline __attribute__((always_inline)) void block_int(BLOCK_ARGS, const int GS,
+                                                            const int R, const int q0,
+                                                            const int Q) {
+    __m256i A[8];
+    rows_int(gcols, vg, ldv, GS, R, q0, Q, A);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < Q; i++)
+                update_int(A[(2 * r + h) * Q + i], q0 + i + 4 * h, sc, zz, xs[r * xstride],
+                           sxr[r * xstride], out + r * TILE);
+}
+
+/* block_int as a function of its own for each shape (the batches' blocks), so that GCC
+ * allocates the registers of each alone: in one function it kept the sums of the later blocks
+ * in memory */
 typedef void (*IntBlock)(BLOCK_ARGS);
 #define INT_BLOCK(GS, R, q0, Q)                                                                \
     static __attribute__((noinline)) void int_block_##GS##_##R##_##q0##_##Q(BLOCK_ARGS) {      \
-        __m256i A[8];                                                                          \
-        rows_int(gcols, vg, ldv, GS, R, q0, Q, A);                                             \
-        for (int r = 0; r < R; r++)                                                            \
-            for (int h = 0; h < 2; h++)                                                        \
-                for (int i = 0; i < Q; i++)                                                    \
-                    update_int(A[(2 * r + h) * Q + i], q0 + i + 4 * h, sc, zz,                 \
-                               xs[r * xstride], sxr[r * xstride], out + r * TILE);             \
+        block_int(gcols, vg, ldv, sc, zz, xs, sxr, xstride, out, GS, R, q0, Q);                \
     }
 #define INT_BLOCKS(GS)                                                                         \
     INT_BLOCK(GS, 1, 0, 2)                                                                     \
@@ -464,13 +473,8 @@ static inline __attribute__((always_inline)) void tile8_int(
             const int16_t *vg = xr->v + m0 * K + gx * GS;
             const float *xs = xr->xs + m0 * per_plane + gx, *sxr = xr->sxr + m0 * per_plane + gx;
             if (mc == 1) { /* inline: through the blocks' function pointers it took 1.07x as long */
-                __m256i A[8];
-                for (int q0 = 0; q0 < 4; q0 += 2) {
-                    rows_int(gcols, vg, K, GS, 1, q0, 2, A);
-                    for (int h = 0; h < 2; h++)
-                        for (int i = 0; i < 2; i++)
-                            update_int(A[2 * h + i], q0 + i + 4 * h, sc, zz, xs[0], sxr[0], out);
-                }
+                block_int(gcols, vg, K, sc, zz, xs, sxr, per_plane, out, GS, 1, 0, 2);
+                block_int(gcols, vg, K, sc, zz, xs, sxr, per_plane, out, GS, 1, 2, 2);
                 continue;
             }
             const IntBlock(*blocks)[4] = GS == 32 ? INT_BLOCKS_32 : INT_BLOCKS_16;
