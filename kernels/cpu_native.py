@@ -8,9 +8,10 @@ family:
 
 - `cpu_int4`: the int4 weight-only matmul for a few rows (`int4_mm`: AVX-512 BF16 dot
   products; in the AVX2 build x rounded to 16 bits per group and 16-bit integer products, or
-  fp32 FMAs for codebook weights; on the packed layout of PyTorch's int4 CPU kernel); for a prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile
-  matmuls straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's
-  matmul; `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
+  fp32 FMAs for codebook weights; on the packed layout of PyTorch's int4 CPU kernel); for a
+  prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile matmuls
+  straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's matmul;
+  `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
   refined logits, embedding lookups); `int8_logits`, a Q8_0 LM head's fp32 logits from x
   rounded to 16 bits per group (16-bit integer products: VNNI, or vpmaddwd in the AVX2 build,
   the same numbers); `int4_refine_half`, the best logits recomputed from the exact rows;
