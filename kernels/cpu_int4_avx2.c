@@ -27,6 +27,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
@@ -310,15 +311,16 @@ static inline void round_group(const uint16_t *x, const int gs, int16_t *v, floa
     *sxr = *xs * (float)_mm_cvtsi128_si32(s);
 }
 
-/* The M rows of x (bf16 [M][ldx], K columns) rounded per group of gs, into room (INT_ROOM
- * bytes) where they fit, else into memory the caller frees (returned); NULL when out of
- * memory. */
-static void *round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t gs,
-                            void *room, IntRows *r) {
+/* The bytes round_rows_int takes for M rows of K columns */
+static inline size_t int_rows_bytes(int64_t M, int64_t K, int64_t gs) {
+    return (size_t)((M * K * 2 + 31) / 32 * 32 + 2 * M * (K / gs) * (int64_t)sizeof(float));
+}
+
+/* The M rows of x (bf16 [M][ldx], K columns) rounded per group of gs into mem
+ * (int_rows_bytes), which r then describes */
+static void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t gs,
+                           void *mem, IntRows *r) {
     const int64_t groups = K / gs, v_bytes = (M * K * 2 + 31) / 32 * 32;
-    const int64_t bytes = v_bytes + 2 * M * groups * (int64_t)sizeof(float);
-    void *mem = bytes <= INT_ROOM ? room : aligned_alloc(32, (size_t)((bytes + 31) / 32 * 32));
-    if (!mem) return NULL;
     r->v = mem;
     r->xs = (float *)((char *)mem + v_bytes);
     r->sxr = r->xs + M * groups;
@@ -326,7 +328,29 @@ static void *round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
         for (int64_t g = 0; g < groups; g++)
             round_group(x + m * ldx + g * gs, (int)gs, r->v + m * K + g * gs,
                         r->xs + m * groups + g, r->sxr + m * groups + g);
-    return mem;
+}
+
+/* Where round_rows_int writes `bytes`: room (INT_ROOM bytes) where they fit, else pages of
+ * their own, unmapped by free_int_rows (through malloc, glibc kept up to 3 MiB of a prompt's
+ * rounded rows resident after the call: its mmap threshold rises to the largest block freed);
+ * NULL when out of memory */
+static void *int_rows_memory(size_t bytes, void *room) {
+    if (bytes <= INT_ROOM) return room;
+    void *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return mem == MAP_FAILED ? NULL : mem;
+}
+
+static void free_int_rows(void *mem, size_t bytes, void *room) {
+    if (mem != room) munmap(mem, bytes);
+}
+
+/* rows of x one pass of int4_mm rounds and multiplies outside a team: a prompt's rows in slabs
+ * whose rounded rows take at most INT_SLAB_BYTES (each slab reads the weights again: for 512
+ * rows of the default model's largest matmul, 7 slabs, about 2% of a prompt's time) */
+#define INT_SLAB_BYTES (256 * 1024)
+static inline int64_t int_slab_rows(int64_t K, int64_t gs) {
+    const int64_t rows = INT_SLAB_BYTES / (int64_t)int_rows_bytes(1, K, gs) / 8 * 8;
+    return rows > 8 ? rows : 8;
 }
 
 /* The integer sums' order of a tile's 64 rows ("W order"): vector j < 4 holds rows 4j..4j+3 and
@@ -540,28 +564,37 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
     if (gs != 32 && gs != 16) return -2;
     const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
-    float room[XSUM_ROOM];
-    unsigned char int_room[INT_ROOM] __attribute__((aligned(32)));
-    IntRows xr = {0};
-    float *xsum = NULL;
-    void *rounded = NULL;
-    __m256 lut0 = _mm256_setzero_ps(), lut1 = _mm256_setzero_ps();
-    if (lut) { /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
-        xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
-        if (!xsum) return -1;
-        lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
-        lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
-    } else { /* the integer path: x rounded */
-        rounded = round_rows_int(x, M, K, ldx, gs, int_room, &xr);
-        if (!rounded) return -1;
-    }
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
     SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
-    TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, &xr, y, ldy,
-                                  gs, lut, lut0, lut1, ranges, nth, id));
-    if (xsum && xsum != room) free(xsum);
-    if (rounded && rounded != int_room) free(rounded);
+    if (lut) { /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
+        float room[XSUM_ROOM];
+        float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
+        if (!xsum) return -1;
+        const __m256 lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
+        const __m256 lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
+        TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, NULL, y,
+                                      ldy, gs, lut, lut0, lut1, ranges, nth, id));
+        if (xsum != room) free(xsum);
+        return 0;
+    }
+    /* the integer path: x rounded, a slab of rows at a time outside a team (a team's call, a
+     * decode step's few rows, in one) */
+    unsigned char room[INT_ROOM] __attribute__((aligned(32)));
+    const int64_t slab = claim || in_team() ? M : int_slab_rows(K, gs);
+    const size_t bytes = int_rows_bytes(M < slab ? M : slab, K, gs);
+    void *mem = int_rows_memory(bytes, room);
+    if (!mem) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += slab) {
+        const int64_t ms = M - m0 < slab ? M - m0 : slab;
+        IntRows xr;
+        round_rows_int(x + m0 * ldx, ms, K, ldx, gs, mem, &xr);
+        if (m0 && ranges == own) memset(own, 0, sizeof(int64_t) * (size_t)(own_n * SHARE_LINE));
+        TEAM_RUN(nth, id, tile_share8(x, ms, K, ldx, packed, &sz, N, n_pad, K2, NULL, &xr,
+                                      y + m0 * ldy, ldy, gs, NULL, _mm256_setzero_ps(),
+                                      _mm256_setzero_ps(), ranges, nth, id));
+    }
+    free_int_rows(mem, bytes, room);
     return 0;
 }
 

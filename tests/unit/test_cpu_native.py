@@ -110,6 +110,19 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
             bf16_close(alone, batched[i])
 
 
+def test_int4_mm_a_prompts_rows_equal_the_rows_alone() -> None:
+    """60 rows of 4096 columns: the AVX2 build takes them in slabs of 24 (their rounded rows
+    within 256 KiB); every row matches the reference and its result alone."""
+    w = packed(128, 4096, 1)
+    x = torch.randn(60, 4096, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 128, 1)
+    want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 128, 1)
+    bf16_close(y, want, atol=1e-5 * float(want.float().abs().max()))
+    for i in (0, 23, 24, 47, 48, 59):
+        assert torch.equal(cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 128, 1)[0],
+                           y[i])
+
+
 @pytest.mark.parametrize("group", [32, 16])
 def test_int4_mm_rows_of_any_range_and_non_finite_rows(group: int) -> None:
     """Rows far from 1 in size, a group whose values span 2^20, a zero row and rows holding an
