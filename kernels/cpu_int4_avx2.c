@@ -53,8 +53,9 @@ static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g,
                                   float bias, __m256 *zz) {
     __m256 sc, zr;
     if (s->half) {
-        const __m256 h = _mm256_cvtph_ps(_mm_unpacklo_epi64(
-            _mm_loadl_epi64((const __m128i *)(p + ra)), _mm_loadl_epi64((const __m128i *)(p + rb))));
+        const __m128i lo = _mm_loadl_epi64((const __m128i *)(p + ra));
+        const __m128i hi = _mm_loadl_epi64((const __m128i *)(p + rb));
+        const __m256 h = _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi));
         const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
         sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
         zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
@@ -226,7 +227,8 @@ static inline __attribute__((always_inline)) void tile8(
         for (int64_t g = 0; g < groups; g++) {
             __m256 sc[8], zz[8];
             const uint16_t *sp = tile_scales(sz, g, t * TILE);
-            for (int i = 0; i < 8; i++) sc[i] = group_scales(sz, sp, g, 8 * i, 8 * i + 4, 0.0f, &zz[i]);
+            for (int i = 0; i < 8; i++)
+                sc[i] = group_scales(sz, sp, g, 8 * i, 8 * i + 4, 0.0f, &zz[i]);
             const uint8_t *gcols = tile + g * GS * 32;
             for (int l = 0; l < GS * 32; l += 64)
                 _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, STREAM_HINT);
