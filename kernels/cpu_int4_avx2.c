@@ -27,7 +27,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <sys/mman.h>
 
 #include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
@@ -332,23 +331,28 @@ static void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                         r->xs + m * groups + g, r->sxr + m * groups + g);
 }
 
-/* Where round_rows_int writes `bytes`: room (INT_ROOM bytes) where they fit, else pages of
- * their own, unmapped by free_int_rows (through malloc, glibc kept up to 3 MiB of a prompt's
- * rounded rows resident after the call: its mmap threshold rises to the largest block freed);
- * NULL when out of memory */
+/* Where round_rows_int writes `bytes`: room (INT_ROOM bytes on the caller's stack) where they
+ * fit, else a buffer of the calling thread's own, grown as needed and kept: a prompt's slab
+ * (INT_SLAB_BYTES at most), or a team's rows past the room (from 15 rows of 1536 columns). Freed
+ * after each call, a prompt's rounded rows stayed resident anyway (glibc raises its mmap
+ * threshold to the largest block freed), and a large batch's would cost a mapping a call.
+ * NULL when out of memory. */
+static __thread void *int_buf;
+static __thread size_t int_buf_bytes;
 static void *int_rows_memory(size_t bytes, void *room) {
     if (bytes <= INT_ROOM) return room;
-    void *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return mem == MAP_FAILED ? NULL : mem;
-}
-
-static void free_int_rows(void *mem, size_t bytes, void *room) {
-    if (mem != room) munmap(mem, bytes);
+    if (bytes > int_buf_bytes) {
+        free(int_buf);
+        int_buf = aligned_alloc(32, (bytes + 31) / 32 * 32);
+        int_buf_bytes = int_buf ? bytes : 0;
+    }
+    return int_buf;
 }
 
 /* rows of x one pass of int4_mm rounds and multiplies outside a team: a prompt's rows in slabs
- * whose rounded rows take at most INT_SLAB_BYTES (each slab reads the weights again: for 512
- * rows of the default model's largest matmul, 7 slabs, about 2% of a prompt's time) */
+ * whose rounded rows take at most INT_SLAB_BYTES (each slab reads the weights again: 512 rows
+ * of 1536 columns take 8 slabs; bench_cpu's prefill measured the same within its runs'
+ * spread) */
 #define INT_SLAB_BYTES (256 * 1024)
 static inline int64_t int_slab_rows(int64_t K, int64_t gs) {
     const int64_t rows = INT_SLAB_BYTES / (int64_t)int_rows_bytes(1, K, gs) / 8 * 8;
@@ -596,7 +600,6 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
                                       y + m0 * ldy, ldy, gs, NULL, _mm256_setzero_ps(),
                                       _mm256_setzero_ps(), ranges, nth, id));
     }
-    free_int_rows(mem, bytes, room);
     return 0;
 }
 
