@@ -11,7 +11,6 @@
 
 #include "cpu_int4.h"
 #include "cpu_kernels.h"
-#include "cpu_team.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -57,10 +56,7 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     const int64_t K2 = planes * K, groups = K2 / gs;
     float room[XSUM_ROOM];
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
-    if (!xsum) {
-        TEAM_GIVE_UP();
-        return -1;
-    }
+    if (!xsum) return -1;
     if (amx && gs == GROUP && !lut)
         int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
     else

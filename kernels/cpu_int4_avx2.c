@@ -576,10 +576,7 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
     if (lut) { /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
         float room[XSUM_ROOM];
         float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
-        if (!xsum) {
-            TEAM_GIVE_UP();
-            return -1;
-        }
+        if (!xsum) return -1;
         const __m256 lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
         const __m256 lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
         TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, NULL, y,
@@ -593,10 +590,7 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
     const int64_t slab = claim || in_team() ? M : int_slab_rows(K, gs);
     const size_t bytes = int_rows_bytes(M < slab ? M : slab, K, gs);
     void *mem = int_rows_memory(bytes, room);
-    if (!mem) {
-        TEAM_GIVE_UP();
-        return -1;
-    }
+    if (!mem) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += slab) {
         const int64_t ms = M - m0 < slab ? M - m0 : slab;
         IntRows xr;

@@ -29,17 +29,6 @@ static inline int in_team(void) { return omp_in_parallel(); }
         }                                                                                      \
     } while (0)
 
-/* What a thread of a kernel that cannot do its part (out of memory) does before it returns
- * its error: inside a team it still meets the barrier TEAM_RUN ends with, so that the others
- * do not wait for it forever (they take its tiles where the shares are stolen; the caller
- * reports the error either way) */
-#define TEAM_GIVE_UP()                                                                         \
-    do {                                                                                       \
-        if (in_team()) {                                                                       \
-            _Pragma("omp barrier")                                                             \
-        }                                                                                      \
-    } while (0)
-
 /* `stmt` for each row t (int64_t) of n: split over the calling team, or over a team of their
  * own where `own` holds (else on this thread) */
 #define TEAM_ROWS(n, own, t, stmt)                                                             \
