@@ -259,8 +259,11 @@ typedef struct {
     float *xs, *sxr; /* [M][K / gs]: the group's scale, and xs * (the sum of its v) */
 } IntRows;
 
-/* bytes of IntRows a call keeps on its own stack (a decode step's rows fit), else malloc'd */
-#define INT_ROOM 49152
+/* Bytes of IntRows a call keeps on its own stack. A team's call must not fail on one thread
+ * alone (cpu_layers.c), so a team's rows always fit: decode_layers runs a team only where
+ * M * 2 * K / 16 <= XSUM_ROOM, so M K <= 8 XSUM_ROOM, and M rows take at most 2.5 M K + 31
+ * bytes (int_rows_bytes). */
+#define INT_ROOM (20 * XSUM_ROOM + 64)
 
 static inline float pow2f(int e) { /* 2^e, -149 <= e <= 127 */
     const uint32_t bits = e >= -126 ? (uint32_t)(e + 127) << 23 : 1u << (e + 149);
@@ -332,11 +335,10 @@ static void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 }
 
 /* Where round_rows_int writes `bytes`: room (INT_ROOM bytes on the caller's stack) where they
- * fit, else a buffer of the calling thread's own, grown as needed and kept: a prompt's slab
- * (INT_SLAB_BYTES at most), or a team's rows past the room (from 15 rows of 1536 columns). Freed
- * after each call, a prompt's rounded rows stayed resident anyway (glibc raises its mmap
- * threshold to the largest block freed), and a large batch's would cost a mapping a call.
- * NULL when out of memory. */
+ * fit, else (outside a team: a prompt's slab, INT_SLAB_BYTES at most, or a batch too large for
+ * a team) a buffer of the calling thread's own, grown as needed and kept. Freed after each
+ * call, a prompt's rounded rows stayed resident anyway (glibc raises its mmap threshold to the
+ * largest block freed). NULL when out of memory. */
 static __thread void *int_buf;
 static __thread size_t int_buf_bytes;
 static void *int_rows_memory(size_t bytes, void *room) {
