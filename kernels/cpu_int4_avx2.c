@@ -1,91 +1,27 @@
 /* The int4 weight-only matmul and dequantization of the AVX2 build (AVX2 + FMA + F16C), on
  * the packed layout and formula of cpu_int4.h, and the AMX entry points as "not here" stubs.
- * There is no bf16 dot product here; a weight takes one of two paths.
+ * There is no bf16 dot product here; a weight takes one of two paths. Codes without a codebook
+ * take integer products (cpu_int4_avx2_int.c). Codes through a codebook, here, take fp32
+ * products.
  *
- * Codes without a codebook: integer products. Each group of gs columns of a row of x is
- * rounded to 16-bit integers v on a power-of-two scale xs (round_group: every value within 2^7
- * of the group's largest keeps all its bits, smaller ones round to a multiple of xs, below
- * 2^-15 of the largest), and per group and output row
- *     A = sum_k v[k] c[n, k]   (vpmaddwd: exact in int32),  a = A xs,  sxr = xs sum_k v[k]
- *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sxr
- * then y = fma(s, a, y), y = fma(zz, sxr, y), group by group. On Zen 2 a 16-bit product pair
- * costs what one fp32 FMA does (one vpmaddwd a cycle, two FMAs), and the codes need no
- * conversion to fp32 (one vcvtdq2ps a cycle bound the fp32 path): a one-row matmul takes about
- * 0.6 of the time it did in fp32 FMAs. vpmaddwd multiplies each code's whole byte (lo + 16 hi)
- * and its high nibble; the low nibble's sum is the difference.
- *
- * Codes through a codebook (hi + lo in fp32): fp32 products. Each code becomes its fp32 value
- * and x (bf16, widened exactly) multiplies it in fp32 FMAs. With a = sum_k x[k] lut[c[n, k]]
- * and sx = sum of x: y = fma(s, a, y), y = fma(z, sx, y), group by group, a summed from 0 over
- * the group's columns in order. For M > 1, blocks of up to 4 rows of x by 2 vectors of the
- * tile keep their sums in registers (`rows_block`).
- *
- * On both paths every output row n of every row m of x is computed by the same operations in
- * the same order whatever M is, so a row gets bitwise the same result alone or in a batch.
+ * The fp32 path: each code becomes its fp32 value (the codebook's hi + lo) and x (bf16, widened
+ * exactly) multiplies it in fp32 FMAs. With a = sum_k x[k] lut[c[n, k]] and sx = sum of x:
+ * y = fma(s, a, y), y = fma(z, sx, y), group by group, a summed from 0 over the group's columns
+ * in order. For M > 1, blocks of up to 4 rows of x by 2 vectors of the tile keep their sums in
+ * registers (`rows_block`). Every output row n of every row m of x is computed by the same
+ * operations in the same order whatever M is, so a row gets bitwise the same result alone or
+ * in a batch.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_int4_avx2.h"
 #include "cpu_int4_groups.h"
 #include "cpu_kernels.h"
 #include "cpu_team.h"
 #include "cpu_simd_avx2.h"
-
-#define TILE 64
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096 /* weight bytes read ahead of use */
-#endif
-
-
-/* where the scales of group g (g < K2 / gs) begin for the tile whose first row is row0; a row
- * takes one value there (half) or a pair (scale, zero), the rows of a tile in order (the forms of
- * cpu_int4_groups.h's `Scales`) */
-static inline const uint16_t *tile_scales(const Scales *s, int64_t g, int64_t row0) {
-    return s->half ? s->p + (g % s->plane_groups) * s->n_pad + row0 : s->p + pair_at(s, g, row0);
-}
-
-/* scales of 8 rows of group g in fp32, from p = tile_scales(s, g, row0): rows row0 + ra ..
- * + 3 in lanes 0-3, row0 + rb .. + 3 in lanes 4-7; *zz = zero - bias * scale */
-static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g, int ra, int rb,
-                                  float bias, __m256 *zz) {
-    __m256 sc, zr;
-    if (s->half) {
-        const __m128i lo = _mm_loadl_epi64((const __m128i *)(p + ra));
-        const __m128i hi = _mm_loadl_epi64((const __m128i *)(p + rb));
-        const __m256 h = _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi));
-        const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
-        sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
-        zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
-    } else {
-        const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 2 * rb)),
-                                           _mm_loadu_si128((const __m128i *)(p + 2 * ra)));
-        sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        zr = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-    }
-    *zz = _mm256_fnmadd_ps(sc, _mm256_set1_ps(bias), zr);
-    return sc;
-}
-
-/* the scales of a tile's 64 rows (from row0) SCALE_PREFETCH_GROUPS groups after group g into
- * L2: a tiled pairs form holds the groups of a tile, then of the next, 256 bytes each; the
- * other forms a group's rows n_pad values apart. Without it, the integer path's one-row
- * matmul of a 3072 x 576 weight took 1.2x as long (the hardware's prefetch missed them). */
-#ifndef SCALE_PREFETCH_GROUPS
-#define SCALE_PREFETCH_GROUPS 2
-#endif
-static inline void prefetch_scales(const Scales *s, int64_t g, int64_t row0) {
-    const int64_t gd = g + SCALE_PREFETCH_GROUPS;
-    if (s->tiled) {
-        const char *p = (const char *)(s->p + pair_at(s, g, row0)) + 256 * SCALE_PREFETCH_GROUPS;
-        for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, STREAM_HINT);
-    } else if (gd < s->planes * s->plane_groups) {
-        const char *p = s->half ? (const char *)(s->p + (gd % s->plane_groups) * s->n_pad + row0)
-                                : (const char *)(s->p + pair_at(s, gd, row0));
-        for (int l = 0; l < (s->half ? 128 : 256); l += 64) _mm_prefetch(p + l, STREAM_HINT);
-    }
-}
 
 /* the fp32 value of the codes in each lane: c itself, or lut[c] (lut0: entries 0-7, lut1:
  * 8-15) */
@@ -209,7 +145,6 @@ static inline __attribute__((always_inline)) void chunk_rows(
 }
 #undef ROWS_BLOCKS
 
-#define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
 
 /* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time, on the fp32 path */
 static inline __attribute__((always_inline)) void tile8(
@@ -250,313 +185,21 @@ static inline __attribute__((always_inline)) void tile8(
     }
 }
 
-/* ---- The integer path: codes without a codebook ---- */
-
-/* x's rows as the integer path reads them: each group of gs columns of a row rounded to 16-bit
- * integers on a power-of-two scale (round_group) */
-typedef struct {
-    int16_t *v;      /* [M][K] */
-    float *xs, *sxr; /* [M][K / gs]: the group's scale, and xs * (the sum of its v) */
-} IntRows;
-
-/* Bytes of IntRows a call keeps on its own stack. A team's call must not fail on one thread
- * alone (cpu_layers.c), so a team's rows always fit: decode_layers runs a team only where
- * M * 2 * K / 16 <= XSUM_ROOM, so M K <= 8 XSUM_ROOM, and M rows take at most 2.5 M K + 31
- * bytes (int_rows_bytes). */
-#define INT_ROOM (20 * XSUM_ROOM + 64)
-
-static inline float pow2f(int e) { /* 2^e, -149 <= e <= 127 */
-    const uint32_t bits = e >= -126 ? (uint32_t)(e + 127) << 23 : 1u << (e + 149);
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* One group of gs (16, 32) bf16 values at x -> v (int16 [gs]), *xs and *sxr. With 2^E <= max |x|
- * < 2^(E+1): v = rint(x 2^(14 - E)), |v| <= 32640, and xs = 2^(E - 14). Every value within 2^7
- * of the group's largest keeps all its bits (bf16 has 8 significant bits); smaller ones round to
- * a multiple of xs, less than 2^-15 of the largest. A group of zeros: v = 0, xs = 0; one with an
- * inf or a NaN: v = 0 and xs = NaN, so that its outputs are NaN. */
-static inline void round_group(const uint16_t *x, const int gs, int16_t *v, float *xs,
-                               float *sxr) {
-    __m256 f[4];
-    __m256i top = _mm256_setzero_si256(); /* the largest |x| as bits: integers order them */
-    for (int i = 0; i < gs / 8; i++) {
-        f[i] = load8_bf16(x + 8 * i);
-        top = _mm256_max_epi32(top, _mm256_and_si256(_mm256_castps_si256(f[i]),
-                                                     _mm256_set1_epi32(0x7FFFFFFF)));
-    }
-    __m128i t = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-    t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    const uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
-    if (bits == 0 || bits >= 0x7F800000u) {
-        __builtin_memset(v, 0, (size_t)gs * 2);
-        *xs = *sxr = bits ? __builtin_nanf("") : 0.0f;
-        return;
-    }
-    int E = (int)(bits >> 23) - 127;
-    if (E < -126) E = -126; /* a subnormal largest value */
-    const int e = 14 - E, e1 = e / 2;
-    /* two exact scalings: 2^e alone may not be a float */
-    const __m256 p1 = _mm256_set1_ps(pow2f(e1)), p2 = _mm256_set1_ps(pow2f(e - e1));
-    __m256i sum = _mm256_setzero_si256();
-    for (int i = 0; i < gs / 8; i += 2) {
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[i], p1), p2));
-        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[i + 1], p1), p2));
-        sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
-        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-        _mm256_storeu_si256((__m256i *)(v + 8 * i), w);
-    }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    *xs = pow2f(E - 14);
-    *sxr = *xs * (float)_mm_cvtsi128_si32(s);
-}
-
-/* The bytes round_rows_int takes for M rows of K columns */
-static inline size_t int_rows_bytes(int64_t M, int64_t K, int64_t gs) {
-    return (size_t)((M * K * 2 + 31) / 32 * 32 + 2 * M * (K / gs) * (int64_t)sizeof(float));
-}
-
-/* The M rows of x (bf16 [M][ldx], K columns) rounded per group of gs into mem
- * (int_rows_bytes), which r then describes */
-static void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t gs,
-                           void *mem, IntRows *r) {
-    const int64_t groups = K / gs, v_bytes = (M * K * 2 + 31) / 32 * 32;
-    r->v = mem;
-    r->xs = (float *)((char *)mem + v_bytes);
-    r->sxr = r->xs + M * groups;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++)
-            round_group(x + m * ldx + g * gs, (int)gs, r->v + m * K + g * gs,
-                        r->xs + m * groups + g, r->sxr + m * groups + g);
-}
-
-/* Where round_rows_int writes `bytes`: room (INT_ROOM bytes on the caller's stack) where they
- * fit, else (outside a team: a prompt's slab, INT_SLAB_BYTES at most, or a batch too large for
- * a team) a buffer of the calling thread's own, grown as needed and kept. Freed after each
- * call, a prompt's rounded rows stayed resident anyway (glibc raises its mmap threshold to the
- * largest block freed). NULL when out of memory. */
-static __thread void *int_buf;
-static __thread size_t int_buf_bytes;
-static void *int_rows_memory(size_t bytes, void *room) {
-    if (bytes <= INT_ROOM) return room;
-    if (bytes > int_buf_bytes) {
-        free(int_buf);
-        int_buf = aligned_alloc(32, (bytes + 31) / 32 * 32);
-        int_buf_bytes = int_buf ? bytes : 0;
-    }
-    return int_buf;
-}
-
-/* rows of x one pass of int4_mm rounds and multiplies outside a team: a prompt's rows in slabs
- * whose rounded rows take at most INT_SLAB_BYTES (each slab reads the weights again: 512 rows
- * of 1536 columns take 8 slabs; bench_cpu's prefill measured the same within its runs'
- * spread) */
-#define INT_SLAB_BYTES (256 * 1024)
-static inline int64_t int_slab_rows(int64_t K, int64_t gs) {
-    const int64_t rows = INT_SLAB_BYTES / (int64_t)int_rows_bytes(1, K, gs) / 8 * 8;
-    return rows > 8 ? rows : 8;
-}
-
-/* The integer sums' order of a tile's 64 rows ("W order"): vector j < 4 holds rows 4j..4j+3 and
- * 16+4j..16+4j+3, vector 4 + j the same rows + 32. A column pair (k, k+1), 32 bytes each, becomes
- * for vector q < 4 the words (byte of column k, byte of column k+1) of those rows, one row a
- * 32-bit lane (in-lane unpacks): a word's low nibble is a code of vector q, its high one of
- * vector q + 4. */
-static inline __m256i pair_words(__m256i ck, __m256i ck1, const int q) {
-    const __m256i p = q >> 1 ? _mm256_unpackhi_epi8(ck, ck1) : _mm256_unpacklo_epi8(ck, ck1);
-    return q & 1 ? _mm256_unpackhi_epi8(p, _mm256_setzero_si256())
-                 : _mm256_unpacklo_epi8(p, _mm256_setzero_si256());
-}
-
-/* the first row of vector j of the W order in a tile */
-static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
-
-/* A[(r * 2 + h) * Q + i] (int32, W order vector q + 4 h, q = q0 + i, i < Q) = the sum over the
- * group's columns k of v[k] c[row, k], exact, for R rows of x at vg (ldv apart): each column
- * pair decoded once for the R rows. Q = 2 (one row: q0 = 0 or 2, a pair's first unpack shared)
- * or 1 (2-4 rows); at most 8 sums, so that they stay in registers with what decodes the codes
- * (in an array of 16, GCC kept them in memory). */
-static inline __attribute__((always_inline)) void rows_int(const uint8_t *gcols,
-                                                           const int16_t *vg, int64_t ldv,
-                                                           const int GS, const int R,
-                                                           const int q0, const int Q,
-                                                           __m256i A[8]) {
-    __m256i a[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * R * Q; j++) a[j] = _mm256_setzero_si256();
-    /* by 2: unrolled whole, GCC reordered the sums and kept some of them in memory */
-#pragma GCC unroll 2
-    for (int kp = 0; kp < GS / 2; kp++) {
-        const __m256i ck = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp));
-        const __m256i ck1 = _mm256_loadu_si256((const __m256i *)(gcols + 64 * kp + 32));
-        __m256i wb[2], wh[2]; /* the whole bytes lo + 16 hi, and hi */
-#pragma GCC unroll 2
-        for (int i = 0; i < Q; i++) {
-            wb[i] = pair_words(ck, ck1, q0 + i);
-            wh[i] = _mm256_srli_epi16(wb[i], 4); /* a word's high byte is 0 */
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            int32_t pair;
-            __builtin_memcpy(&pair, vg + r * ldv + 2 * kp, 4);
-            const __m256i xv = _mm256_set1_epi32(pair);
-#pragma GCC unroll 2
-            for (int i = 0; i < Q; i++) {
-                a[2 * r * Q + i] = _mm256_add_epi32(a[2 * r * Q + i], _mm256_madd_epi16(wb[i], xv));
-                a[(2 * r + 1) * Q + i] =
-                    _mm256_add_epi32(a[(2 * r + 1) * Q + i], _mm256_madd_epi16(wh[i], xv));
-            }
-        }
-    }
-    /* the low nibbles' sums: the whole bytes' less 16 times the high ones' (exact: a pair of
-     * products is below 2^24, a group's 16 pairs below 2^28) */
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-        for (int i = 0; i < Q; i++) {
-            A[2 * r * Q + i] = _mm256_sub_epi32(a[2 * r * Q + i],
-                                                _mm256_slli_epi32(a[(2 * r + 1) * Q + i], 4));
-            A[(2 * r + 1) * Q + i] = a[(2 * r + 1) * Q + i];
-        }
-}
-
-/* y[j] (fp32 [8], W order) of one row of x += its group: a = A xs, y = fma(s, a, y), then
- * y = fma(zz, sxr, y) */
-static inline void update_int(__m256i A, const int j, const __m256 sc[8], const __m256 zz[8],
-                              float xs, float sxr, float *y) {
-    const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(A), _mm256_set1_ps(xs));
-    const __m256 t = _mm256_fmadd_ps(sc[j], a, _mm256_load_ps(y + 8 * j));
-    _mm256_store_ps(y + 8 * j, _mm256_fmadd_ps(zz[j], _mm256_set1_ps(sxr), t));
-}
-
-/* One block of rows_int and its update_int: R rows of x (their v at vg, ldv apart; xs and
- * sxr a row apart by xstride; y at out, TILE apart), vectors q0 .. q0 + Q - 1 and 4 more of the
- * W order */
-#define BLOCK_ARGS                                                                             \
-    const uint8_t *gcols, const int16_t *vg, int64_t ldv, const __m256 *sc, const __m256 *zz,  \
-        const float *xs, const float *sxr, int64_t xstride, float *out
-static inline __attribute__((always_inline)) void block_int(BLOCK_ARGS, const int GS,
-                                                            const int R, const int q0,
-                                                            const int Q) {
-    __m256i A[8];
-    rows_int(gcols, vg, ldv, GS, R, q0, Q, A);
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++)
-            for (int i = 0; i < Q; i++)
-                update_int(A[(2 * r + h) * Q + i], q0 + i + 4 * h, sc, zz, xs[r * xstride],
-                           sxr[r * xstride], out + r * TILE);
-}
-
-/* block_int as a function of its own for each shape (the batches' blocks), so that GCC
- * allocates the registers of each alone: in one function it kept the sums of the later blocks
- * in memory */
-typedef void (*IntBlock)(BLOCK_ARGS);
-#define INT_BLOCK(GS, R, q0, Q)                                                                \
-    static __attribute__((noinline)) void int_block_##GS##_##R##_##q0##_##Q(BLOCK_ARGS) {      \
-        block_int(gcols, vg, ldv, sc, zz, xs, sxr, xstride, out, GS, R, q0, Q);                \
-    }
-#define INT_BLOCKS(GS)                                                                         \
-    INT_BLOCK(GS, 1, 0, 2)                                                                     \
-    INT_BLOCK(GS, 1, 2, 2)                                                                     \
-    INT_BLOCK(GS, 2, 0, 1) INT_BLOCK(GS, 2, 1, 1) INT_BLOCK(GS, 2, 2, 1) INT_BLOCK(GS, 2, 3, 1) \
-    INT_BLOCK(GS, 3, 0, 1) INT_BLOCK(GS, 3, 1, 1) INT_BLOCK(GS, 3, 2, 1) INT_BLOCK(GS, 3, 3, 1) \
-    INT_BLOCK(GS, 4, 0, 1) INT_BLOCK(GS, 4, 1, 1) INT_BLOCK(GS, 4, 2, 1) INT_BLOCK(GS, 4, 3, 1) \
-    /* [rows - 1]: the blocks that cover all 64 rows of the tile */                            \
-    static const IntBlock INT_BLOCKS_##GS[4][4] = {                                            \
-        {int_block_##GS##_1_0_2, int_block_##GS##_1_2_2, NULL, NULL},                          \
-        {int_block_##GS##_2_0_1, int_block_##GS##_2_1_1, int_block_##GS##_2_2_1,               \
-         int_block_##GS##_2_3_1},                                                              \
-        {int_block_##GS##_3_0_1, int_block_##GS##_3_1_1, int_block_##GS##_3_2_1,               \
-         int_block_##GS##_3_3_1},                                                              \
-        {int_block_##GS##_4_0_1, int_block_##GS##_4_1_1, int_block_##GS##_4_2_1,               \
-         int_block_##GS##_4_3_1}};
-INT_BLOCKS(32)
-INT_BLOCKS(16)
-#undef INT_BLOCKS
-#undef INT_BLOCK
-
-/* tile t (64 output rows) for the M rows of x, CHUNK_ROWS at a time, on the integer path: per
- * group and row of x the sums A are exact integers, then update_int, group by group, whatever
- * M is, so that a row's result is bitwise the same alone or in a batch */
-static inline __attribute__((always_inline)) void tile8_int(
-    const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz,
-    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, const int GS) {
-    const int64_t groups = K2 / GS, per_plane = K / GS, tile_bytes = K2 * 32;
-    float out[CHUNK_ROWS * TILE] __attribute__((aligned(32))); /* [rows][64], W order */
-    const uint8_t *tile = packed + t * tile_bytes;
-    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
-        const int64_t mc = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
-        for (int64_t i = 0; i < mc * TILE; i += 8) _mm256_store_ps(out + i, _mm256_setzero_ps());
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 sc[8], zz[8];
-            prefetch_scales(sz, g, t * TILE);
-            const uint16_t *sp = tile_scales(sz, g, t * TILE);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++)
-                sc[j] = group_scales(sz, sp, g, w_row(j), w_row(j) + 16, 8.0f, &zz[j]);
-            const uint8_t *gcols = tile + g * GS * 32;
-            for (int l = 0; l < GS * 32; l += 64)
-                _mm_prefetch((const char *)gcols + PREFETCH_BYTES + l, STREAM_HINT);
-            const int64_t gx = g % per_plane; /* plane 1 reads x again */
-            const int16_t *vg = xr->v + m0 * K + gx * GS;
-            const float *xs = xr->xs + m0 * per_plane + gx, *sxr = xr->sxr + m0 * per_plane + gx;
-            if (mc == 1) { /* inline: through the blocks' function pointers it took 1.07x as long */
-                block_int(gcols, vg, K, sc, zz, xs, sxr, per_plane, out, GS, 1, 0, 2);
-                block_int(gcols, vg, K, sc, zz, xs, sxr, per_plane, out, GS, 1, 2, 2);
-                continue;
-            }
-            const IntBlock(*blocks)[4] = GS == 32 ? INT_BLOCKS_32 : INT_BLOCKS_16;
-            for (int64_t r0 = 0; r0 < mc; r0 += 4) {
-                const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
-                for (int b = 0; b < 4 && blocks[rows - 1][b]; b++)
-                    blocks[rows - 1][b](gcols, vg + r0 * K, K, sc, zz, xs + r0 * per_plane,
-                                        sxr + r0 * per_plane, per_plane, out + r0 * TILE);
-            }
-        }
-        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-        for (int64_t m = 0; m < mc; m++) {
-            const float *o = out + m * TILE;
-            for (int h = 0; h < 2; h++) { /* W order -> rows in order: 32 rows a half */
-                const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);
-                const __m256 w2 = _mm256_load_ps(o + 32 * h + 16);
-                const __m256 w3 = _mm256_load_ps(o + 32 * h + 24);
-                const __m256 n[4] = {_mm256_permute2f128_ps(w0, w1, 0x20),
-                                     _mm256_permute2f128_ps(w2, w3, 0x20),
-                                     _mm256_permute2f128_ps(w0, w1, 0x31),
-                                     _mm256_permute2f128_ps(w2, w3, 0x31)};
-                for (int i = 0; i < 4; i++) {
-                    const int64_t r = 32 * h + 8 * i;
-                    if (r < rows)
-                        store_bf16_n(y + (m0 + m) * ldy + n0 + r, n[i], rows - r);
-                }
-            }
-        }
-    }
-}
-
 /* Thread id's tiles among nth (int4_mm's operands): its share, then what it takes of the
- * others' (share_next in cpu_team.h with the team's `ranges`; NULL: its share). NOTE: the
- * group size and codebook switch inside the loop, so that each inlined copy of tile8 is
- * compiled with them as constants; one copy of the loop for both of int4_mm's paths (with a
- * copy in each, decode ran 13% slower: in-process A/B, 12 pairs). */
+ * others' (share_next in cpu_team.h with the team's `ranges`; NULL: its share). The group size
+ * switches inside the loop, so that each inlined copy of tile8 is compiled with it as a
+ * constant; one copy of the loop for one row and for many (with a copy in each, decode ran 13%
+ * slower: in-process A/B, 12 pairs). */
 static __attribute__((noinline)) void tile_share8(
     const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
-    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
-    const IntRows *xr, uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut, __m256 lut0,
-    __m256 lut1, int64_t *ranges, int64_t nth, int64_t id) {
+    const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
+    int64_t ldy, int64_t gs, __m256 lut0, __m256 lut1, int64_t *ranges, int64_t nth,
+    int64_t id) {
     Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
     int64_t t0, t1;
     while (share_next(&share, &t0, &t1)) {
         for (int64_t t = t0; t < t1; t++) {
-            if (gs == 32 && !lut)
-                tile8_int(xr, M, K, packed, sz, N, K2, y, ldy, t, 32);
-            else if (gs == 16 && !lut)
-                tile8_int(xr, M, K, packed, sz, N, K2, y, ldy, t, 16);
-            else if (gs == 32)
+            if (gs == 32)
                 tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 32, lut0, lut1);
             else
                 tile8(x, M, K, ldx, packed, sz, N, K2, xsum, y, ldy, t, 16, lut0, lut1);
@@ -572,36 +215,19 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
     if (gs != 32 && gs != 16) return -2;
     const Scales sz = scales_of(sz_p, n_pad, K, gs, planes, scales_form);
     const int64_t K2 = planes * K, groups = K2 / gs;
+    if (!lut) return int4_mm_int(x, M, K, ldx, packed, &sz, N, n_pad, K2, y, ldy, gs, claim);
+    /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
+    float room[XSUM_ROOM];
+    float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
+    if (!xsum) return -1;
+    const __m256 lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
+    const __m256 lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
     /* the tiles split over the calling team (cpu_team.h) or over a team of their own */
     SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
-    if (lut) { /* the fp32 path: x's group sums, the fp32 codebook hi + lo */
-        float room[XSUM_ROOM];
-        float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
-        if (!xsum) return -1;
-        const __m256 lut0 = _mm256_add_ps(load8_bf16(lut), load8_bf16(lut + 16));
-        const __m256 lut1 = _mm256_add_ps(load8_bf16(lut + 8), load8_bf16(lut + 24));
-        TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, NULL, y,
-                                      ldy, gs, lut, lut0, lut1, ranges, nth, id));
-        if (xsum != room) free(xsum);
-        return 0;
-    }
-    /* the integer path: x rounded, a slab of rows at a time outside a team (a team's call, a
-     * decode step's few rows, in one) */
-    unsigned char room[INT_ROOM] __attribute__((aligned(32)));
-    const int64_t slab = claim || in_team() ? M : int_slab_rows(K, gs);
-    const size_t bytes = int_rows_bytes(M < slab ? M : slab, K, gs);
-    void *mem = int_rows_memory(bytes, room);
-    if (!mem) return -1;
-    for (int64_t m0 = 0; m0 < M; m0 += slab) {
-        const int64_t ms = M - m0 < slab ? M - m0 : slab;
-        IntRows xr;
-        round_rows_int(x + m0 * ldx, ms, K, ldx, gs, mem, &xr);
-        if (m0 && ranges == own) memset(own, 0, sizeof(int64_t) * (size_t)(own_n * SHARE_LINE));
-        TEAM_RUN(nth, id, tile_share8(x, ms, K, ldx, packed, &sz, N, n_pad, K2, NULL, &xr,
-                                      y + m0 * ldy, ldy, gs, NULL, _mm256_setzero_ps(),
-                                      _mm256_setzero_ps(), ranges, nth, id));
-    }
+    TEAM_RUN(nth, id, tile_share8(x, M, K, ldx, packed, &sz, N, n_pad, K2, xsum, y, ldy, gs,
+                                  lut0, lut1, ranges, nth, id));
+    if (xsum != room) free(xsum);
     return 0;
 }
 

@@ -58,14 +58,14 @@ SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_u8.c", "cpu_int4_amx.c",
                      "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
                      "cpu_sample.c", "cpu_layers.c"),
-    "avx2": _files("cpu_int4_avx2.c", "cpu_int4_rows.c", "cpu_int8_logits_avx2.c",
-                   "cpu_ops_avx2.c", "cpu_sample.c", "cpu_layers.c"),
+    "avx2": _files("cpu_int4_avx2.c", "cpu_int4_avx2_int.c", "cpu_int4_rows.c",
+                   "cpu_int8_logits_avx2.c", "cpu_ops_avx2.c", "cpu_sample.c", "cpu_layers.c"),
 }
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
                      "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd.h", "cpu_team.h"),
-    "avx2": _files("cpu_kernels.h", "cpu_int4_groups.h", "cpu_int8_rows.h", "cpu_paged.h",
-                   "cpu_simd_avx2.h", "cpu_team.h"),
+    "avx2": _files("cpu_kernels.h", "cpu_int4_avx2.h", "cpu_int4_groups.h", "cpu_int8_rows.h",
+                   "cpu_paged.h", "cpu_simd_avx2.h", "cpu_team.h"),
 }
 ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",

@@ -1,0 +1,72 @@
+/* What the two sources of the AVX2 build's int4 matmul share (cpu_int4_avx2.c: the fp32 path of
+ * codebook weights, the entry points; cpu_int4_avx2_int.c: the integer path of the others): the
+ * tile, how far ahead the weights are read, and the weights' scales tile by tile. */
+#ifndef LOCALLLM_CPU_INT4_AVX2_H
+#define LOCALLLM_CPU_INT4_AVX2_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "cpu_int4_groups.h"
+
+#define TILE 64
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* weight bytes read ahead of use */
+#endif
+#define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
+
+/* where the scales of group g (g < K2 / gs) begin for the tile whose first row is row0; a row
+ * takes one value there (half) or a pair (scale, zero), the rows of a tile in order (the forms of
+ * cpu_int4_groups.h's `Scales`) */
+static inline const uint16_t *tile_scales(const Scales *s, int64_t g, int64_t row0) {
+    return s->half ? s->p + (g % s->plane_groups) * s->n_pad + row0 : s->p + pair_at(s, g, row0);
+}
+
+/* scales of 8 rows of group g in fp32, from p = tile_scales(s, g, row0): rows row0 + ra ..
+ * + 3 in lanes 0-3, row0 + rb .. + 3 in lanes 4-7; *zz = zero - bias * scale */
+static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g, int ra, int rb,
+                                  float bias, __m256 *zz) {
+    __m256 sc, zr;
+    if (s->half) {
+        const __m128i lo = _mm_loadl_epi64((const __m128i *)(p + ra));
+        const __m128i hi = _mm_loadl_epi64((const __m128i *)(p + rb));
+        const __m256 h = _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi));
+        const int two = s->planes == 2, plane_h = two && g < s->plane_groups;
+        sc = plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(16.0f)) : h;
+        zr = two && !plane_h ? _mm256_mul_ps(h, _mm256_set1_ps(8.0f)) : _mm256_setzero_ps();
+    } else {
+        const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 2 * rb)),
+                                           _mm_loadu_si128((const __m128i *)(p + 2 * ra)));
+        sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        zr = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+    *zz = _mm256_fnmadd_ps(sc, _mm256_set1_ps(bias), zr);
+    return sc;
+}
+
+/* the scales of a tile's 64 rows (from row0) SCALE_PREFETCH_GROUPS groups after group g into
+ * L2: a tiled pairs form holds the groups of a tile, then of the next, 256 bytes each; the
+ * other forms a group's rows n_pad values apart. Without it, the integer path's one-row
+ * matmul of a 3072 x 576 weight took 1.2x as long (the hardware's prefetch missed them). */
+#ifndef SCALE_PREFETCH_GROUPS
+#define SCALE_PREFETCH_GROUPS 2
+#endif
+static inline void prefetch_scales(const Scales *s, int64_t g, int64_t row0) {
+    const int64_t gd = g + SCALE_PREFETCH_GROUPS;
+    if (s->tiled) {
+        const char *p = (const char *)(s->p + pair_at(s, g, row0)) + 256 * SCALE_PREFETCH_GROUPS;
+        for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, STREAM_HINT);
+    } else if (gd < s->planes * s->plane_groups) {
+        const char *p = s->half ? (const char *)(s->p + (gd % s->plane_groups) * s->n_pad + row0)
+                                : (const char *)(s->p + pair_at(s, gd, row0));
+        for (int l = 0; l < (s->half ? 128 : 256); l += 64) _mm_prefetch(p + l, STREAM_HINT);
+    }
+}
+
+/* int4_mm_shared of cpu_kernels.h for a weight without a codebook (cpu_int4_avx2_int.c):
+ * sz its scales, K2 = planes K; 0, or -1 if out of memory */
+int int4_mm_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy,
+                int64_t gs, int64_t *claim);
+
+#endif
