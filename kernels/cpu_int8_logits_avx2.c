@@ -9,7 +9,8 @@
  * A column pair's bytes (two nibble planes, cpu_int4.h) become u = 16 h + l for 64 rows, the
  * two columns' bytes of each row interleaved and widened to 16 bits in place (in-lane
  * unpacks), so that the 8 lanes of W[j] hold rows 4j..4j+3 and 16+4j..16+4j+3 of a half tile
- * (rows 32 half + ...): the scales are read and the sums stored in that order.
+ * (rows 32 half + ...): the scales are read and the fp32 sums kept in that order ("W order"),
+ * the rows put in order only when a tile's logits are written out.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -28,19 +29,28 @@
 #endif
 #define LOGIT_PREFETCH_GROUPS 4
 
+/* acc + the products of w and x's 16-bit pairs: through the intrinsics GCC kept three of
+ * rows2's eight sums on the stack (a store and a load per column pair each) */
+static inline __attribute__((always_inline)) __m256i madd_add(__m256i acc, __m256i w, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(w), "x"(x));
+    return acc;
+}
+
 /* Column pair (k, k+1) at ph (plane H; plane L K * 32 bytes on) of a tile's half `half` ->
  * W[0..3]: the (k, k+1) words of u for the rows above (one row per 32-bit lane) */
 static inline __attribute__((always_inline)) void u_words8(const uint8_t *ph, int64_t K,
                                                           const int half, __m256i W[4]) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi4 = _mm256_set1_epi8((char)0xF0);
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const __m256i zero = _mm256_setzero_si256();
     __m256i u[2]; /* column k, column k + 1: bytes = rows 32 half + 0..31 */
     for (int c = 0; c < 2; c++) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(ph + 32 * c));
         const __m256i l = _mm256_loadu_si256((const __m256i *)(ph + K * 32 + 32 * c));
-        u[c] = half ? _mm256_or_si256(_mm256_and_si256(h, hi4),
+        /* one mask: a nibble masked before its 16-bit shift never crosses into the next byte */
+        u[c] = half ? _mm256_or_si256(_mm256_andnot_si256(lo4, h),
                                       _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4))
-                    : _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 4), hi4),
+                    : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, lo4), 4),
                                       _mm256_and_si256(l, lo4));
     }
     const __m256i p0 = _mm256_unpacklo_epi8(u[0], u[1]); /* rows 0-7 | 16-23, (k, k+1) */
@@ -59,7 +69,8 @@ static inline __m256 scales8(const uint16_t *scales, int64_t n_pad, int64_t g, i
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
 }
 
-/* Half `half` of one tile for MR (1 or 2) rows of x, added into out[m][64] (fp32) */
+/* Half `half` of one tile for MR (1 or 2) rows of x, added into out[m][64] (fp32, W order:
+ * vector j of half h at 32 h + 8 j) */
 static inline __attribute__((always_inline)) void half_rows(
     const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,
     const int16_t *v, const float *sx, const int32_t *corr, float *out, const int MR,
@@ -90,7 +101,7 @@ static inline __attribute__((always_inline)) void half_rows(
             for (int m = 0; m < MR; m++) {
                 const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
                 for (int j = 0; j < 4; j++)
-                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(W[j], xb));
+                    a[m][j] = madd_add(a[m][j], W[j], xb);
             }
         }
         for (int j = 0; j < 4; j++) {
@@ -99,11 +110,8 @@ static inline __attribute__((always_inline)) void half_rows(
             for (int m = 0; m < MR; m++) {
                 const __m256i A = _mm256_sub_epi32(a[m][j], _mm256_set1_epi32(corr[m * groups + g]));
                 const __m256 sc = _mm256_mul_ps(s, _mm256_set1_ps(sx[m * groups + g]));
-                float *o = out + m * TILE + r;
-                const __m256 y = _mm256_set_m128(_mm_loadu_ps(o + 16), _mm_loadu_ps(o));
-                const __m256 z = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), sc, y);
-                _mm_storeu_ps(o, _mm256_castps256_ps128(z));
-                _mm_storeu_ps(o + 16, _mm256_extractf128_ps(z, 1));
+                float *o = out + m * TILE + 32 * half + 8 * j; /* W order */
+                _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), sc, _mm256_load_ps(o)));
             }
         }
     }
@@ -133,7 +141,7 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
 #pragma omp parallel
     {
         Share share = share_of(ranges, tiles, 1, omp_get_num_threads(), omp_get_thread_num());
-        float out[2 * TILE];
+        float out[2 * TILE] __attribute__((aligned(32))); /* [m][64], W order */
         int64_t t0, t1;
         while (share_next(&share, &t0, &t1)) {
             for (int64_t t = t0; t < t1; t++) {
@@ -145,7 +153,7 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
                     const float *sm = rr.sx + m * groups;
                     const int32_t *cm = rr.corr + m * groups;
                     for (int i = 0; i < 2 * TILE; i += 8)
-                        _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+                        _mm256_store_ps(out + i, _mm256_setzero_ps());
                     if (mr == 2) {
                         rows2_lo(tile, scales, n_pad, n0, K, vm, sm, cm, out);
                         rows2_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
@@ -154,8 +162,10 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
                         rows1_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
                     }
                     for (int64_t j = 0; j < mr; j++)
-                        for (int64_t r = 0; r < rows; r++)
-                            y[(m + j) * ldy + n0 + r] = out[j * TILE + r];
+                        for (int64_t i = 0; i < TILE; i++) { /* W order -> rows */
+                            const int64_t r = (i & 32) + (i >> 3 & 3) * 4 + (i & 4) * 4 + (i & 3);
+                            if (r < rows) y[(m + j) * ldy + n0 + r] = out[j * TILE + i];
+                        }
                 }
             }
         }
