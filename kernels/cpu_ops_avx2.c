@@ -143,6 +143,20 @@ V_BLOCKS8_OF(4)
 #define V_ROW8(GN) {v_block8_##GN##_1, v_block8_##GN##_2, v_block8_##GN##_3}
 static const VBlock8 V_BLOCKS8[4][3] = {V_ROW8(1), V_ROW8(2), V_ROW8(3), V_ROW8(4)};
 
+/* How far ahead a task reads K and V: every 8 positions it computes, it prefetches the 8 that
+ * come ATTN_AHEAD positions on. Prefetching a whole block (16 positions) at once, a block
+ * ahead, decode at 500 and 1,500 positions took 4% and 5% longer (Zen 2; 8, 12, 24, 32 and 48
+ * positions ahead were slower than 16 too). */
+#define ATTN_AHEAD 16
+
+/* the K and V lines of position pos of a sequence (block table `table`) for one KV head */
+static inline void prefetch_at(const uint16_t *kpool, const uint16_t *vpool,
+                               const int64_t *table, int64_t pos, int64_t block_size,
+                               int64_t row, int64_t at, int64_t head_dim) {
+    prefetch_position(kpool, vpool, (table[pos / block_size] * block_size + pos % block_size) *
+                                        row + at, head_dim);
+}
+
 /* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
  * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
@@ -169,10 +183,9 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     for (int64_t start = p0; start < p1; start += block_size) {
         const int64_t blk = table[start / block_size];
         const int64_t n = p1 - start < block_size ? p1 - start : block_size;
-        if (start + n < p1) /* blocks are scattered: the hardware cannot prefetch the next */
-            prefetch_block(kpool, vpool, table[start / block_size + 1],
-                           p1 - start - n < block_size ? p1 - start - n : block_size,
-                           block_size, row, kh * head_dim, head_dim);
+        if (start == p0) /* what the loop below reads ahead from its first positions */
+            for (int64_t pos = p0 + block_size; pos < p0 + ATTN_AHEAD && pos < p1; pos++)
+                prefetch_at(kpool, vpool, table, pos, block_size, row, kh * head_dim, head_dim);
         for (int64_t c0 = 0; c0 < n; c0 += 64) {
             const int64_t cn = n - c0 < 64 ? n - c0 : 64;
             const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
@@ -181,6 +194,11 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
              * 8 independent sums (one position's sum over j in order, as a single chain was) */
             for (int64_t p8 = 0; p8 < cn; p8 += 8) {
                 const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
+                /* blocks are scattered: the hardware cannot prefetch the next */
+                for (int64_t q = 0, pos = start + c0 + p8 + ATTN_AHEAD; q < 8 && pos < p1;
+                     q++, pos++)
+                    prefetch_at(kpool, vpool, table, pos, block_size, row, kh * head_dim,
+                                head_dim);
                 for (int64_t q = 0; q < np; q++)
                     for (int64_t j = 0; j < nv; j++)
                         _mm256_store_ps(kf[q] + 8 * j, load8_bf16(kb + (p8 + q) * row + 8 * j));
