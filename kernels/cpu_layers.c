@@ -28,7 +28,9 @@
 /* The work ranges of a step's matmuls (int4_mm_shared; cpu_team.h's share_next), a line for
  * each thread the team can have: two sets, each matmul taking the one the matmul before it did
  * not. After a matmul, its team's barrier passed, thread 0 zeroes its set for the matmul after
- * next, which no thread begins before thread 0 has reached the next matmul's barrier. */
+ * next, which no thread begins before thread 0 has reached the next matmul's barrier. A third
+ * set is attention's (decode_attention_shared), zeroed by thread 0 after each call's barrier
+ * for the next layer's. */
 typedef struct {
     int64_t *sets, stride;
 } Claims;
@@ -115,13 +117,14 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
     if (embed && embed_rows(embed, M, H, x)) return -3;
     uint16_t *buf = malloc(sizeof(uint16_t) * per_row * (size_t)M);
     const int64_t stride = omp_get_max_threads() * SHARE_LINE;
-    const Claims claims = {aligned_alloc(64, sizeof(int64_t) * (size_t)(2 * stride)), stride};
+    const Claims claims = {aligned_alloc(64, sizeof(int64_t) * (size_t)(3 * stride)), stride};
     if (!buf || !claims.sets) {
         free(buf);
         free(claims.sets);
         return -2;
     }
-    memset(claims.sets, 0, sizeof(int64_t) * (size_t)(2 * stride));
+    memset(claims.sets, 0, sizeof(int64_t) * (size_t)(3 * stride));
+    int64_t *att_set = claims.sets + 2 * stride;
     uint16_t *res = buf, *h = res + M * H, *y = h + M * H, *qkv = y + M * H;
     uint16_t *att = qkv + M * qkv_w, *gu = att + M * q_w, *act = gu + M * 2 * inter;
     int rc = 0; /* shared: set by the threads that found an error, read by all after a barrier */
@@ -157,10 +160,12 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
 #pragma omp barrier
         }
         if (rc) break;
-        if ((r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
-                                  ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
-                                  d->scale, att, q_w)) ||
-            (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {
+        r = decode_attention_shared(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables,
+                                    width, ctx, M, num_heads, num_kv_heads, head_dim,
+                                    d->block_size, d->scale, att, q_w, att_set);
+        if (omp_get_thread_num() == 0) /* past its barrier: for the next layer's */
+            memset(att_set, 0, sizeof(int64_t) * (size_t)stride);
+        if (r || (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {
             if (omp_get_thread_num() == 0) rc = r;
             break;
         }

@@ -287,6 +287,22 @@ def test_decode_attention_split_heads_equal_whole_groups(n_heads: int, n_kv: int
         assert torch.equal(alone[0], got[i])
 
 
+def test_decode_attention_gives_the_same_bits_however_the_threads_share_the_tasks() -> None:
+    # each thread runs a share of consecutive tasks (a chunk's KV heads in turn) and then
+    # steals from the others' (cpu_team.h's share_next): which thread runs which task changes
+    # from call to call, the result may not
+    g = torch.Generator().manual_seed(8)
+    ctx = torch.tensor([700, 1, 1300, 40, 200, 513, 64, 900])
+    kp = torch.randn(8 * 82 + 3, 16, 3, 64, generator=g).bfloat16()
+    vp = torch.randn(8 * 82 + 3, 16, 3, 64, generator=g).bfloat16()
+    tables = torch.randperm(8 * 82 + 3, generator=g)[:8 * 82].view(8, 82)
+    q = (torch.randn(8, 9, 64, generator=g) * 2).bfloat16()
+    first = cpu_ops.decode_attention(q, kp, vp, tables, ctx, 0.125)
+    bf16_close(first, cpu_ops.decode_attention_ref(q, kp, vp, tables, ctx, 0.125), atol=1e-5)
+    for _ in range(30):
+        assert torch.equal(cpu_ops.decode_attention(q, kp, vp, tables, ctx, 0.125), first)
+
+
 def test_decode_attention_refuses_out_of_range_tables() -> None:
     kp = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
