@@ -15,6 +15,14 @@
 #endif
 #define CHUNK_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
 
+/* The order of a tile's 64 rows in the AVX2 build's 8-lane sums ("W order", in-lane unpacks of
+ * 32-row byte vectors): vector j < 4 holds rows 4j..4j+3 (lanes 0-3) and 16+4j..16+4j+3 (lanes
+ * 4-7), vector 4 + j the same rows + 32. w_row(j): the first row of vector j. */
+static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
+
+/* the row of slot i (vector i / 8, lane i % 8) of a tile's 64 sums in W order */
+static inline int w_slot_row(int i) { return w_row(i >> 3) + (i & 4) * 4 + (i & 3); }
+
 /* where the scales of group g (g < K2 / gs) begin for the tile whose first row is row0; a row
  * takes one value there (half) or a pair (scale, zero), the rows of a tile in order (the forms of
  * cpu_int4_groups.h's `Scales`) */

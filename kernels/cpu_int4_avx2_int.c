@@ -135,9 +135,8 @@ static inline int64_t int_slab_rows(int64_t K, int64_t gs) {
     return rows > 8 ? rows : 8;
 }
 
-/* The integer sums' order of a tile's 64 rows ("W order"): vector j < 4 holds rows 4j..4j+3 and
- * 16+4j..16+4j+3, vector 4 + j the same rows + 32. A column pair (k, k+1), 32 bytes each, becomes
- * for vector q < 4 the words (byte of column k, byte of column k+1) of those rows, one row a
+/* The integer sums are in the W order of a tile's rows (cpu_int4_avx2.h). A column pair
+ * (k, k+1), 32 bytes each, becomes for vector q < 4 the words (byte of column k, byte of column k+1) of those rows, one row a
  * 32-bit lane (in-lane unpacks): a word's low nibble is a code of vector q, its high one of
  * vector q + 4. */
 static inline __m256i pair_words(__m256i ck, __m256i ck1, const int q) {
@@ -145,9 +144,6 @@ static inline __m256i pair_words(__m256i ck, __m256i ck1, const int q) {
     return q & 1 ? _mm256_unpackhi_epi8(p, _mm256_setzero_si256())
                  : _mm256_unpacklo_epi8(p, _mm256_setzero_si256());
 }
-
-/* the first row of vector j of the W order in a tile */
-static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
 
 /* A[(r * 2 + h) * Q + i] (int32, W order vector q + 4 h, q = q0 + i, i < Q) = the sum over the
  * group's columns k of v[k] c[row, k], exact, for R rows of x at vg (ldv apart): each column

@@ -9,24 +9,21 @@
  * A column pair's bytes (two nibble planes, cpu_int4.h) become u = 16 h + l for 64 rows, the
  * two columns' bytes of each row interleaved and widened to 16 bits in place (in-lane
  * unpacks), so that the 8 lanes of W[j] hold rows 4j..4j+3 and 16+4j..16+4j+3 of a half tile
- * (rows 32 half + ...): the scales are read and the fp32 sums kept in that order ("W order"),
- * the rows put in order only when a tile's logits are written out.
+ * (rows 32 half + ...): the scales are read and the fp32 sums kept in that order (the W order
+ * of cpu_int4_avx2.h), the rows put in order only when a tile's logits are written out.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_int4_avx2.h"
 #include "cpu_int4_groups.h"
 #include "cpu_int8_rows.h"
 #include "cpu_kernels.h"
 #include "cpu_team.h"
 
-#define TILE 64
 #define GS INT8_GROUP
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
-#endif
 #define LOGIT_PREFETCH_GROUPS 4
 
 /* acc + the products of w and x's 16-bit pairs: through the intrinsics GCC kept three of
@@ -162,8 +159,8 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
                         rows1_hi(tile, scales, n_pad, n0, K, vm, sm, cm, out);
                     }
                     for (int64_t j = 0; j < mr; j++)
-                        for (int64_t i = 0; i < TILE; i++) { /* W order -> rows */
-                            const int64_t r = (i & 32) + (i >> 3 & 3) * 4 + (i & 4) * 4 + (i & 3);
+                        for (int i = 0; i < TILE; i++) { /* W order -> rows */
+                            const int64_t r = w_slot_row(i);
                             if (r < rows) y[(m + j) * ldy + n0 + r] = out[j * TILE + i];
                         }
                 }

@@ -84,18 +84,13 @@ int rope(uint16_t *x, int64_t tokens, int64_t ldt, int64_t num_heads, int64_t he
 int kv_store(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv,
              const int64_t *slots, int64_t tokens, int64_t row, uint16_t *kpool,
              uint16_t *vpool, int64_t n_slots);
+/* claim: zeroed ranges (SHARE_LINE int64 a thread, cpu_team.h) the calling team's threads
+ * share the tasks through (decode_layers); NULL: a team of its own makes its own */
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                     uint16_t *out, int64_t ldo);
-/* decode_attention with its tasks shared through claim (zeroed ranges, SHARE_LINE int64 a
- * thread of the calling team, cpu_team.h), as decode_layers calls it; NULL: decode_attention */
-int decode_attention_shared(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
-                            const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                            int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, uint16_t *out, int64_t ldo, int64_t *claim);
+                     uint16_t *out, int64_t ldo, int64_t *claim);
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx);
 
 /* ---- sampled tokens (cpu_sample.c: the draws of localllm/engine/draw.py) */

@@ -29,7 +29,7 @@
  * each thread the team can have: two sets, each matmul taking the one the matmul before it did
  * not. After a matmul, its team's barrier passed, thread 0 zeroes its set for the matmul after
  * next, which no thread begins before thread 0 has reached the next matmul's barrier. A third
- * set is attention's (decode_attention_shared), zeroed by thread 0 after each call's barrier
+ * set is attention's (decode_attention's claim), zeroed by thread 0 after each call's barrier
  * for the next layer's. */
 typedef struct {
     int64_t *sets, stride;
@@ -160,9 +160,9 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
 #pragma omp barrier
         }
         if (rc) break;
-        r = decode_attention_shared(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables,
-                                    width, ctx, M, num_heads, num_kv_heads, head_dim,
-                                    d->block_size, d->scale, att, q_w, att_set);
+        r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width, ctx,
+                             M, num_heads, num_kv_heads, head_dim, d->block_size, d->scale, att,
+                             q_w, att_set);
         if (omp_get_thread_num() == 0) /* past its barrier: for the next layer's */
             memset(att_set, 0, sizeof(int64_t) * (size_t)stride);
         if (r || (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {

@@ -256,7 +256,7 @@ def _library_of(name: str) -> ctypes.CDLL | None:
         "rope": ([ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int], ctypes.c_int),
         "kv_store": ([ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64], ctypes.c_int),
         "decode_attention": ([ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                              f32, ptr, i64], ctypes.c_int),
+                              f32, ptr, i64, ptr], ctypes.c_int),
         "top_k": ([ptr, i64, i64, i64, i64, ptr], None),
         "sample_rows": ([ptr, i64, i64, i64, ptr, i64, ptr], None),
         "decode_layers": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,

@@ -326,24 +326,14 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     memcpy(out_part, part, sizeof(float) * (size_t)(group * stride));
 }
 
-int decode_attention_shared(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
-                            const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                            int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, uint16_t *out, int64_t ldo, int64_t *claim) {
-    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
-                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                                  ldo, claim, MAX_GROUP, attn_chunk, attn_store);
-}
-
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                     uint16_t *out, int64_t ldo) {
-    return decode_attention_shared(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
-                                   num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                                   ldo, NULL);
+                     uint16_t *out, int64_t ldo, int64_t *claim) {
+    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                                  ldo, claim, MAX_GROUP, attn_chunk, attn_store);
 }
 
 /* Indices of the k largest values of each row of x (fp32 [rows][n], stride ldx), largest

@@ -154,7 +154,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     rc = lib.decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                               k_pool.shape[0], block_tables.data_ptr(), width,
                               context_lens.data_ptr(), b, num_heads, num_kv_heads, head_dim, bs,
-                              scale, out.data_ptr(), num_heads * head_dim)
+                              scale, out.data_ptr(), num_heads * head_dim, None)
     if rc == -2:
         raise MemoryError("decode_attention: out of memory")
     if rc:

@@ -259,24 +259,14 @@ static void attn_store(uint16_t *out, const float *acc, float inv, int64_t head_
 }
 
 /* decode_attention of cpu_kernels.h: the AVX-512 build's split of the work (cpu_paged.h) */
-int decode_attention_shared(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
-                            const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
-                            int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, uint16_t *out, int64_t ldo, int64_t *claim) {
-    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
-                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                                  ldo, claim, MAX_GROUP, attn_chunk, attn_store);
-}
-
 int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      const uint16_t *vpool, int64_t n_blocks, const int64_t *tables,
                      int64_t width, const int64_t *ctx, int64_t B, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                     uint16_t *out, int64_t ldo) {
-    return decode_attention_shared(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
-                                   num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                                   ldo, NULL);
+                     uint16_t *out, int64_t ldo, int64_t *claim) {
+    return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                                  ldo, claim, MAX_GROUP, attn_chunk, attn_store);
 }
 
 void top_k(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, int64_t *idx) {
