@@ -143,19 +143,14 @@ V_BLOCKS8_OF(4)
 #define V_ROW8(GN) {v_block8_##GN##_1, v_block8_##GN##_2, v_block8_##GN##_3}
 static const VBlock8 V_BLOCKS8[4][3] = {V_ROW8(1), V_ROW8(2), V_ROW8(3), V_ROW8(4)};
 
-/* How far ahead a task reads K and V: every 8 positions it computes, it prefetches the 8 that
- * come ATTN_AHEAD positions on. Prefetching a whole block (16 positions) at once, a block
- * ahead, decode at 500 and 1,500 positions took 4% and 5% longer (Zen 2; 8, 12, 24, 32 and 48
- * positions ahead were slower than 16 too). */
+/* How far ahead a task reads K and V: with each position whose K it widens, it prefetches the
+ * one ATTN_AHEAD positions on (a cursor through the block table: no division a position).
+ * Against 8 positions' prefetches in a burst every 8 positions, each found by a division, one
+ * sequence of 2,048 positions took 0.94 of the time (Zen 2, with hsum8x8 and the vector max);
+ * 32 and 64 positions ahead were no faster than 16. */
+#ifndef ATTN_AHEAD
 #define ATTN_AHEAD 16
-
-/* the K and V lines of position pos of a sequence (block table `table`) for one KV head */
-static inline void prefetch_at(const uint16_t *kpool, const uint16_t *vpool,
-                               const int64_t *table, int64_t pos, int64_t block_size,
-                               int64_t row, int64_t at, int64_t head_dim) {
-    prefetch_position(kpool, vpool, (table[pos / block_size] * block_size + pos % block_size) *
-                                        row + at, head_dim);
-}
+#endif
 
 /* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
  * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
@@ -176,16 +171,14 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
     }
     float sc[MAX_GROUP][64] __attribute__((aligned(32)));
     float kf[8][8 * MAX_VECS] __attribute__((aligned(32))); /* 8 positions' K in fp32 */
-    if (p0 < p1) /* the first block (each block prefetches the next) */
-        prefetch_block(kpool, vpool, table[p0 / block_size],
-                       p1 - p0 < block_size ? p1 - p0 : block_size, block_size, row,
-                       kh * head_dim, head_dim);
+    /* the next position to prefetch: the first ATTN_AHEAD now, then one per position */
+    KvCursor pf = kv_cursor(table, p0, block_size, row, kh * head_dim);
+    int64_t pf_pos = p0;
+    for (; pf_pos < p1 && pf_pos < p0 + ATTN_AHEAD; pf_pos++)
+        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
     for (int64_t start = p0; start < p1; start += block_size) {
         const int64_t blk = table[start / block_size];
         const int64_t n = p1 - start < block_size ? p1 - start : block_size;
-        if (start == p0) /* what the loop below reads ahead from its first positions */
-            for (int64_t pos = p0 + block_size; pos < p0 + ATTN_AHEAD && pos < p1; pos++)
-                prefetch_at(kpool, vpool, table, pos, block_size, row, kh * head_dim, head_dim);
         for (int64_t c0 = 0; c0 < n; c0 += 64) {
             const int64_t cn = n - c0 < 64 ? n - c0 : 64;
             const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
@@ -195,13 +188,14 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             for (int64_t p8 = 0; p8 < cn; p8 += 8) {
                 const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
                 /* blocks are scattered: the hardware cannot prefetch the next */
-                for (int64_t q = 0, pos = start + c0 + p8 + ATTN_AHEAD; q < 8 && pos < p1;
-                     q++, pos++)
-                    prefetch_at(kpool, vpool, table, pos, block_size, row, kh * head_dim,
-                                head_dim);
-                for (int64_t q = 0; q < np; q++)
+                for (int64_t q = 0; q < np; q++) {
+                    if (pf_pos < p1) {
+                        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
+                        pf_pos++;
+                    }
                     for (int64_t j = 0; j < nv; j++)
                         _mm256_store_ps(kf[q] + 8 * j, load8_bf16(kb + (p8 + q) * row + 8 * j));
+                }
                 for (int64_t g = 0; g < group; g++) {
                     __m256 d[8];
                     for (int q = 0; q < 8; q++)
@@ -209,22 +203,36 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                     for (int64_t j = 1; j < nv; j++)
                         for (int q = 0; q < 8; q++)
                             d[q] = _mm256_fmadd_ps(qv[g][j], _mm256_load_ps(kf[q] + 8 * j), d[q]);
-                    for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(d[q]);
+                    if (np == 8)
+                        _mm256_store_ps(sc[g] + p8, hsum8x8(d));
+                    else
+                        for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(d[q]);
                 }
             }
             for (int64_t g = 0; g < group; g++) {
-                float m = mx[g];
-                for (int64_t p = 0; p < cn; p++) m = sc[g][p] > m ? sc[g][p] : m;
+                float *s = sc[g];
+                /* the running max over whole vectors, then the rest (a NaN score is passed
+                 * over, as the scalar compare does) */
+                __m256 mv = _mm256_set1_ps(mx[g]);
+                int64_t p = 0;
+                for (; p + 8 <= cn; p += 8) mv = _mm256_max_ps(_mm256_load_ps(s + p), mv);
+                float m = hmax8(mv);
+                for (; p < cn; p++) m = s[p] > m ? s[p] : m;
                 corr[g] = expf(mx[g] - m); /* acc's factor, applied in v_block8 */
                 mx[g] = m;
                 den[g] *= corr[g];
-                for (int64_t p = 0; p < cn; p += 8) {
+                const __m256 mm = _mm256_set1_ps(m);
+                for (p = 0; p + 8 <= cn; p += 8) {
+                    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + p), mm));
+                    _mm256_store_ps(s + p, e);
+                    den[g] += hsum8(e);
+                }
+                if (p < cn) { /* a last part vector: its lanes past cn count 0 */
                     const __m256i mk = lanes_n(cn - p);
                     const __m256 e = _mm256_and_ps(
-                        exp256(_mm256_sub_ps(_mm256_maskload_ps(sc[g] + p, mk),
-                                             _mm256_set1_ps(m))),
+                        exp256(_mm256_sub_ps(_mm256_maskload_ps(s + p, mk), mm)),
                         _mm256_castsi256_ps(mk));
-                    _mm256_maskstore_ps(sc[g] + p, mk, e);
+                    _mm256_maskstore_ps(s + p, mk, e);
                     den[g] += hsum8(e);
                 }
             }

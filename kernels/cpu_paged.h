@@ -158,15 +158,6 @@ static inline void prefetch_position(const uint16_t *kpool, const uint16_t *vpoo
     }
 }
 
-/* Prefetches the K and V lines of positions 0..n-1 of block blk for one KV head (the head's
- * head_dim values at offset `at` of each position's row of `row` values). */
-static inline void prefetch_block(const uint16_t *kpool, const uint16_t *vpool, int64_t blk,
-                                  int64_t n, int64_t block_size, int64_t row, int64_t at,
-                                  int64_t head_dim) {
-    for (int64_t p = 0; p < n; p++)
-        prefetch_position(kpool, vpool, (blk * block_size + p) * row + at, head_dim);
-}
-
 /* One task of decode attention (each build's own, over its vector registers): positions
  * [p0, p1) of a sequence (block table `table`) for KV head kh and its `group` query heads qh
  * (bf16 [group][head_dim]), into out_part (fp32 [group][2 + head_dim]: max, denominator,

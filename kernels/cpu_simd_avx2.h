@@ -65,6 +65,21 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* hsum8 of 8 vectors at once: lane i of the result is hsum8(v[i]), its adds in hsum8's order
+ * (so the same bits): 21 operations where 8 hsum8 take 48 */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    __m256 a[4]; /* lane i < 4: v[k]'s lanes i + (i + 4); i >= 4: v[k + 4]'s */
+    for (int k = 0; k < 4; k++)
+        a[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[k], v[k + 4], 0x20),
+                             _mm256_permute2f128_ps(v[k], v[k + 4], 0x31));
+    /* (0 + 2, 1 + 3) of two vectors' halves: [a0's, a1's | their upper halves'] */
+    const __m256 e01 = _mm256_add_ps(_mm256_shuffle_ps(a[0], a[1], 0x44),
+                                     _mm256_shuffle_ps(a[0], a[1], 0xEE));
+    const __m256 e23 = _mm256_add_ps(_mm256_shuffle_ps(a[2], a[3], 0x44),
+                                     _mm256_shuffle_ps(a[2], a[3], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(e01, e23, 0x88), _mm256_shuffle_ps(e01, e23, 0xDD));
+}
+
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
