@@ -183,11 +183,36 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
             const int64_t cn = n - c0 < 64 ? n - c0 : 64;
             const uint16_t *kb = kpool + (blk * block_size + c0) * row + kh * head_dim;
             const uint16_t *vb = vpool + (blk * block_size + c0) * row + kh * head_dim;
-            /* 8 positions at a time: their K rows widened once into kf, then per query head
-             * 8 independent sums (one position's sum over j in order, as a single chain was) */
-            for (int64_t p8 = 0; p8 < cn; p8 += 8) {
+            /* 8 positions at a time: each position's sum over j in order per query head (as a
+             * single chain was), then the 8 positions' sums added across lanes at once */
+            for (int64_t p8 = 0; p8 < cn && nv == 8; p8 += 8) {
+                /* head_dim 64: a position's K row widened into 8 registers, every query head's
+                 * sum taken from them (where kf's stores and loads cost a fifth more time) */
                 const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
-                /* blocks are scattered: the hardware cannot prefetch the next */
+                __m256 dd[MAX_GROUP][8];
+                for (int64_t q = 0; q < np; q++) {
+                    if (pf_pos < p1) {
+                        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
+                        pf_pos++;
+                    }
+                    __m256 k[8];
+                    for (int j = 0; j < 8; j++) k[j] = load8_bf16(kb + (p8 + q) * row + 8 * j);
+                    for (int64_t g = 0; g < group; g++) {
+                        __m256 d = _mm256_mul_ps(qv[g][0], k[0]);
+                        for (int j = 1; j < 8; j++) d = _mm256_fmadd_ps(qv[g][j], k[j], d);
+                        dd[g][q] = d;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    if (np == 8)
+                        _mm256_store_ps(sc[g] + p8, hsum8x8(dd[g]));
+                    else
+                        for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(dd[g][q]);
+                }
+            }
+            /* other head sizes: 8 positions' K rows widened once into kf */
+            for (int64_t p8 = 0; p8 < cn && nv != 8; p8 += 8) {
+                const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
                 for (int64_t q = 0; q < np; q++) {
                     if (pf_pos < p1) {
                         prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
