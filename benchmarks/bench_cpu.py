@@ -1,15 +1,19 @@
 """Prefill and decode speed of localllm beside llama.cpp (and optionally transformers), in one run.
 
     python benchmarks/bench_cpu.py [--model PATH] [--threads 2] [--prompt-tokens 512]
-                                   [--decode-tokens 128] [--transformers] [--json OUT]
+                                   [--decode-tokens 128] [--decode-depth 0] [--transformers]
+                                   [--json OUT]
 
 Prefill: tokens/s of one forward pass over a prompt of --prompt-tokens tokens (pp512).
-Decode: tokens/s of --decode-tokens greedy steps after a short prompt (tg128).
+Decode: tokens/s of --decode-tokens greedy steps after a short prompt (tg128), or with
+--decode-depth N after a prompt of N tokens (its prefill not timed; llama-bench's `-d`): a long
+chat's decode, where each token also reads the K and V of every position before it.
 Each figure is the best of --repeat runs after one warm-up. Ratios are localllm / other.
 Bandwidth: the machine's DRAM read bandwidth (a sum over a --bandwidth-mib buffer, far larger
 than the caches, with --threads threads, on 2 MiB pages where the weights are) beside what
 decode reads: the bytes of every weight a token reads (the packed projections and the LM head,
-norms; not the embedding rows) times decode tokens/s, and their ratio (target >= 80%). A
+norms; not the embedding rows) and of the cached K and V it attends to (at --decode-depth, the
+mean context of the decode run) times decode tokens/s, and their ratio (target >= 80%). A
 shared machine's bandwidth moves within seconds, so it is measured just before each decode
 run, and each run is compared with its own measurement: the median of those ratios (and their
 range) is reported.
@@ -165,7 +169,7 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int, repeat: int,
-                   bandwidth: ReadBandwidth | None = None) -> dict[str, float]:
+                   depth: int = 0, bandwidth: ReadBandwidth | None = None) -> dict[str, float]:
     base = rss_mib()
     base_anon, base_file = rss_parts_mib()
     anon_peak = 0.0
@@ -182,19 +186,19 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int, repeat:
     sample()
     llm.generate([llm.encode("Hello")], SamplingParams(max_tokens=1, temperature=0))
     first_token = time.perf_counter() - t0
-    ids = prompt_ids(llm, n_prompt)
+    ids = prompt_ids(llm, max(n_prompt, depth))
     pp = []
     vocab = llm.config.vocab_size
     for i in range(repeat + 1):
         # a different first token each time, so the prefix cache cannot serve the prompt
-        fresh = [(ids[0] + 1 + i) % vocab] + ids[1:]
+        fresh = [(ids[0] + 1 + i) % vocab] + ids[1:n_prompt]
         t = time.perf_counter()
         llm.generate([fresh], SamplingParams(max_tokens=1, temperature=0))
         pp.append(time.perf_counter() - t)
         sample()
     tg = []
     bw = []  # the read bandwidth just before each decode run
-    short = ids[:8]
+    short = ids[:depth or 8]
     for _ in range(repeat + 1):
         bw.append(bandwidth() if bandwidth is not None else 0.0)
         out = llm.generate([short], SamplingParams(max_tokens=n_decode, temperature=0,
@@ -203,7 +207,10 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int, repeat:
         tg.append((times[-1] - times[0]) / (len(times) - 1))
         sample()
     kv_bytes = kv_bytes_per_token(llm.config, llm.engine.runner.model.dtype)
-    return {"decode_bytes_per_token": decode_bytes_per_token(llm.engine.runner.model),
+    # a decode step also reads the K and V of its context: the run's mean
+    context = len(short) + n_decode / 2
+    return {"decode_bytes_per_token": decode_bytes_per_token(llm.engine.runner.model)
+            + context * kv_bytes,
             "decode_runs_tok_s": [1 / t for t in tg[1:]],  # type: ignore[dict-item]
             "decode_runs_read_gbs": bw[1:],  # type: ignore[dict-item]
             "load_s": load, "load_to_first_token_s": first_token,
@@ -216,24 +223,25 @@ def bench_localllm(path: Path, dtype: str, n_prompt: int, n_decode: int, repeat:
 
 
 def bench_llama_cpp(path: Path, threads: int, n_prompt: int, n_decode: int,
-                    repeat: int, ids: list[int]) -> dict[str, float]:
+                    repeat: int, ids: list[int], depth: int = 0) -> dict[str, float]:
     import numpy as np
 
     t0 = time.perf_counter()
     llm = open_llama(path, n_ctx=n_prompt + n_decode + 16, n_threads=threads, n_batch=n_prompt)
     # logits of every position are needed only to pick greedy tokens while decoding
-    dec = open_llama(path, n_ctx=n_prompt + n_decode + 16, n_threads=threads, logits_all=True)
+    dec = open_llama(path, n_ctx=max(n_prompt, depth) + n_decode + 16, n_threads=threads,
+                     n_batch=max(depth, 8), logits_all=True)
     load = time.perf_counter() - t0
     pp = []
     for _ in range(repeat + 1):
         llm.reset()
         t = time.perf_counter()
-        llm.eval(ids)
+        llm.eval(ids[:n_prompt])
         pp.append(time.perf_counter() - t)
     tg = []
     for _ in range(repeat + 1):
         dec.reset()
-        dec.eval(ids[:8])
+        dec.eval(ids[:depth or 8])
         t = time.perf_counter()
         for _ in range(n_decode):
             tok = int(np.argmax(dec.scores[dec.n_tokens - 1]))
@@ -274,21 +282,28 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-depth", type=int, default=0,
+                    help="decode after a prompt of this many tokens (default: 8)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--transformers", action="store_true", help="also run transformers bf16")
     ap.add_argument("--bandwidth-mib", type=int, default=1024,
                     help="buffer size of the read-bandwidth measurement (0: skip it)")
     ap.add_argument("--json", default=None, help="write results to this file")
     args = ap.parse_args()
+    if args.decode_depth and args.transformers:
+        ap.error("--decode-depth is measured in localllm and llama.cpp only: drop --transformers")
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     results: dict[str, dict[str, float]] = {}
+    depth = f" @ d{args.decode_depth}" if args.decode_depth else ""
     print(f"model {path.name}, {args.threads} threads, pp{args.prompt_tokens} / "
-          f"tg{args.decode_tokens}, native kernels: {cpu_native.isa() or 'off'}", file=sys.stderr)
+          f"tg{args.decode_tokens}{depth}, native kernels: {cpu_native.isa() or 'off'}",
+          file=sys.stderr)
     bandwidth = ReadBandwidth(args.bandwidth_mib, args.threads) if args.bandwidth_mib else None
     try:
         results["localllm"] = bench_localllm(path, args.dtype, args.prompt_tokens,
-                                             args.decode_tokens, args.repeat, bandwidth)
+                                             args.decode_tokens, args.repeat,
+                                             args.decode_depth, bandwidth)
     finally:
         if bandwidth is not None:
             bandwidth.close()
@@ -297,7 +312,8 @@ def main() -> None:
         # each reference runs in its own process: llama.cpp's and torch's OpenMP thread pools
         # slow each other down many times over in one process, and peak memory stays apart
         results["llama.cpp"] = in_child(bench_llama_cpp, path, args.threads,
-                                        args.prompt_tokens, args.decode_tokens, args.repeat, ids)
+                                        args.prompt_tokens, args.decode_tokens, args.repeat, ids,
+                                        args.decode_depth)
     except ImportError:
         print("llama-cpp-python is not installed: skipping llama.cpp", file=sys.stderr)
     if args.transformers:
@@ -348,7 +364,8 @@ def main() -> None:
         meta = {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
                 "native_isa": cpu_native.isa(),
                 "cpus": torch.get_num_threads(), "torch": torch.__version__,
-                "python": platform.python_version(), "model": path.name}
+                "python": platform.python_version(), "model": path.name,
+                "decode_depth": args.decode_depth}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
