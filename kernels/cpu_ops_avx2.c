@@ -152,6 +152,24 @@ static const VBlock8 V_BLOCKS8[4][3] = {V_ROW8(1), V_ROW8(2), V_ROW8(3), V_ROW8(
 #define ATTN_AHEAD 16
 #endif
 
+/* The prefetch of the position at the cursor pf (pf_pos), if before p1; returns the next
+ * position to prefetch */
+static inline int64_t prefetch_next(const uint16_t *kpool, const uint16_t *vpool, KvCursor *pf,
+                                    int64_t pf_pos, int64_t p1, int64_t head_dim) {
+    if (pf_pos >= p1) return pf_pos;
+    prefetch_position(kpool, vpool, kv_next(pf), head_dim);
+    return pf_pos + 1;
+}
+
+/* out[q] = the sum of d[q]'s lanes, q < np (<= 8): all 8 at once where np is 8 (32-byte
+ * aligned out), in hsum8's order either way */
+static inline void store_scores(const __m256 d[8], int64_t np, float *out) {
+    if (np == 8)
+        _mm256_store_ps(out, hsum8x8(d));
+    else
+        for (int64_t q = 0; q < np; q++) out[q] = hsum8(d[q]);
+}
+
 /* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
  * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
@@ -191,10 +209,7 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                 const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
                 __m256 dd[MAX_GROUP][8];
                 for (int64_t q = 0; q < np; q++) {
-                    if (pf_pos < p1) {
-                        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
-                        pf_pos++;
-                    }
+                    pf_pos = prefetch_next(kpool, vpool, &pf, pf_pos, p1, head_dim);
                     __m256 k[8];
                     for (int j = 0; j < 8; j++) k[j] = load8_bf16(kb + (p8 + q) * row + 8 * j);
                     for (int64_t g = 0; g < group; g++) {
@@ -203,21 +218,13 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                         dd[g][q] = d;
                     }
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    if (np == 8)
-                        _mm256_store_ps(sc[g] + p8, hsum8x8(dd[g]));
-                    else
-                        for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(dd[g][q]);
-                }
+                for (int64_t g = 0; g < group; g++) store_scores(dd[g], np, sc[g] + p8);
             }
             /* other head sizes: 8 positions' K rows widened once into kf */
             for (int64_t p8 = 0; p8 < cn && nv != 8; p8 += 8) {
                 const int64_t np = cn - p8 < 8 ? cn - p8 : 8;
                 for (int64_t q = 0; q < np; q++) {
-                    if (pf_pos < p1) {
-                        prefetch_position(kpool, vpool, kv_next(&pf), head_dim);
-                        pf_pos++;
-                    }
+                    pf_pos = prefetch_next(kpool, vpool, &pf, pf_pos, p1, head_dim);
                     for (int64_t j = 0; j < nv; j++)
                         _mm256_store_ps(kf[q] + 8 * j, load8_bf16(kb + (p8 + q) * row + 8 * j));
                 }
@@ -228,10 +235,7 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                     for (int64_t j = 1; j < nv; j++)
                         for (int q = 0; q < 8; q++)
                             d[q] = _mm256_fmadd_ps(qv[g][j], _mm256_load_ps(kf[q] + 8 * j), d[q]);
-                    if (np == 8)
-                        _mm256_store_ps(sc[g] + p8, hsum8x8(d));
-                    else
-                        for (int64_t q = 0; q < np; q++) sc[g][p8 + q] = hsum8(d[q]);
+                    store_scores(d, np, sc[g] + p8);
                 }
             }
             for (int64_t g = 0; g < group; g++) {
