@@ -11,6 +11,10 @@
  * unpacks), so that the 8 lanes of W[j] hold rows 4j..4j+3 and 16+4j..16+4j+3 of a half tile
  * (rows 32 half + ...): the scales are read and the fp32 sums kept in that order (the W order
  * of cpu_int4_avx2.h), the rows put in order only when a tile's logits are written out.
+ *
+ * One or two rows of x decode a column pair's words as they use them (tile_rows1, _2); four
+ * and more decode a group's words once into L1 and take every row's sums from there
+ * (tile_words). Either way a tile is read group by group, both halves of a group in turn.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -20,6 +24,7 @@
 #include "cpu_int4_avx2.h"
 #include "cpu_int4_groups.h"
 #include "cpu_int8_rows.h"
+#include "cpu_simd_avx2.h"
 #include "cpu_kernels.h"
 #include "cpu_team.h"
 
@@ -27,7 +32,7 @@
 #define LOGIT_PREFETCH_GROUPS 4
 
 /* acc + the products of w and x's 16-bit pairs: through the intrinsics GCC kept three of
- * rows2's eight sums on the stack (a store and a load per column pair each) */
+ * tile_rows2's eight sums on the stack (a store and a load per column pair each) */
 static inline __attribute__((always_inline)) __m256i madd_add(__m256i acc, __m256i w, __m256i x) {
     __m256i t;
     __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(w), "x"(x));
@@ -66,80 +71,185 @@ static inline __m256 scales8(const uint16_t *scales, int64_t n_pad, int64_t g, i
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
 }
 
-/* Half `half` of group g of one tile for MR (1 or 2) rows of x, added into out[m][64] (fp32,
- * W order: vector j of half h at 32 h + 8 j); half 0 reads the group's lines from memory (and
- * prefetches the stream on), half 1 reads them again from L1 */
-static inline __attribute__((always_inline)) void group_half(
-    const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,
-    int64_t g, const int16_t *v, const float *sx, const int32_t *corr, float *out, const int MR,
-    const int half) {
-    const int64_t groups = K / GS;
-    if (half == 0) {
-        if (g + LOGIT_PREFETCH_GROUPS < groups)
-            _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0),
-                         STREAM_HINT);
-        /* the same group's scales of the next tile (its first groups' are never prefetched
-         * otherwise: a group's 64 rows lie 2 n_pad bytes from the next group's); without it,
-         * decode of one sequence took 1.05x as long (Zen 2) */
-        if (row0 + TILE < n_pad) {
-            _mm_prefetch((const char *)(scales + g * n_pad + row0 + TILE), STREAM_HINT);
-            _mm_prefetch((const char *)(scales + g * n_pad + row0 + TILE + 32), STREAM_HINT);
-        }
+/* The prefetches of group g's scales, in the pass that reads the group from memory: LOGIT_
+ * PREFETCH_GROUPS groups on, and the same group's of the next tile (its first groups' are never
+ * prefetched otherwise: a group's 64 rows lie 2 n_pad bytes from the next group's; without
+ * it, decode of one sequence took 1.05x as long, Zen 2) */
+static inline __attribute__((always_inline)) void group_prefetch(const uint16_t *scales,
+                                                                 int64_t n_pad, int64_t row0,
+                                                                 int64_t K, int64_t g) {
+    if (g + LOGIT_PREFETCH_GROUPS < K / GS)
+        _mm_prefetch((const char *)(scales + (g + LOGIT_PREFETCH_GROUPS) * n_pad + row0),
+                     STREAM_HINT);
+    if (row0 + TILE < n_pad) {
+        _mm_prefetch((const char *)(scales + g * n_pad + row0 + TILE), STREAM_HINT);
+        _mm_prefetch((const char *)(scales + g * n_pad + row0 + TILE + 32), STREAM_HINT);
     }
-    __m256i a[2][4];
-    for (int m = 0; m < MR; m++)
-        for (int j = 0; j < 4; j++) a[m][j] = _mm256_setzero_si256();
-    for (int kp = 0; kp < GS / 2; kp++) {
-        const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;
-        if (half == 0) {
-            _mm_prefetch((const char *)ph + PREFETCH_BYTES, STREAM_HINT);
-            _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, STREAM_HINT);
-            if ((g * GS + 2 * kp) * 32 < PREFETCH_BYTES) {
-                /* the next tile's first lines of its plane L, which the stream's prefetch
-                 * (PREFETCH_BYTES on in each plane) never reaches */
-                _mm_prefetch((const char *)ph + 3 * K * 32, STREAM_HINT);
-            }
-        }
-        __m256i W[4];
-        u_words8(ph, K, half, W);
-        for (int m = 0; m < MR; m++) {
-            const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
-            for (int j = 0; j < 4; j++)
-                a[m][j] = madd_add(a[m][j], W[j], xb);
-        }
-    }
-    for (int j = 0; j < 4; j++) {
-        const int64_t r = 32 * half + 4 * j;
-        const __m256 s = scales8(scales, n_pad, g, row0 + r);
-        for (int m = 0; m < MR; m++) {
-            const __m256i A = _mm256_sub_epi32(a[m][j], _mm256_set1_epi32(corr[m * groups + g]));
-            const __m256 sc = _mm256_mul_ps(s, _mm256_set1_ps(sx[m * groups + g]));
-            float *o = out + m * TILE + 32 * half + 8 * j; /* W order */
+}
+
+/* The prefetches of the column pair at ph (column k of the tile), in that pass. Both helpers
+ * are always inlined: a void function of prefetches alone GCC took for one without effects,
+ * and dropped its calls. */
+static inline __attribute__((always_inline)) void pair_prefetch(const uint8_t *ph, int64_t K,
+                                                                int64_t k) {
+    _mm_prefetch((const char *)ph + PREFETCH_BYTES, STREAM_HINT);
+    _mm_prefetch((const char *)ph + K * 32 + PREFETCH_BYTES, STREAM_HINT);
+    /* the next tile's first lines of its plane L, which the stream's prefetch (PREFETCH_BYTES
+     * on in each plane) never reaches */
+    if (k * 32 < PREFETCH_BYTES) _mm_prefetch((const char *)ph + 3 * K * 32, STREAM_HINT);
+}
+
+/* out[r][j] += group g's vector j (A = a - corr, then fp32: y += float(A) (s sx)) of half
+ * `half` for R rows of x (a[r J + i]: vector j0 + i of row r; sx, corr: the first row's, a row
+ * `groups` apart; out: the rows' 64 sums each, W order), for the vectors j0 .. j0 + J - 1 */
+static inline __attribute__((always_inline)) void group_update(
+    const __m256i *a, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t g,
+    int64_t groups, const float *sx, const int32_t *corr, float *out, const int R,
+    const int half, const int j0, const int J) {
+    for (int i = 0; i < J; i++) {
+        const int j = j0 + i;
+        const __m256 s = scales8(scales, n_pad, g, row0 + 32 * half + 4 * j);
+        for (int r = 0; r < R; r++) {
+            const __m256i A = _mm256_sub_epi32(a[r * J + i], _mm256_set1_epi32(corr[r * groups + g]));
+            const __m256 sc = _mm256_mul_ps(s, _mm256_set1_ps(sx[r * groups + g]));
+            float *o = out + r * TILE + 32 * half + 8 * j;
             _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), sc, _mm256_load_ps(o)));
         }
     }
 }
 
-/* One tile for MR rows of x, group by group, each group's two halves in turn: the tile's
- * lines stream from memory without a break (with the whole first half before the second,
- * the memory idled while the second read the tile again from L2) */
-static inline __attribute__((always_inline)) void tile_rows(
+/* Half `half` of group g of one tile for MR (1 or 2) rows of x (out[MR][64], W order:
+ * vector j of half h at 32 h + 8 j), its words of u decoded as they are used; half 0 reads the
+ * group's lines from memory (and prefetches the stream on), half 1 again from L1 */
+static inline __attribute__((always_inline)) void rows_half(
     const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,
-    const int16_t *v, const float *sx, const int32_t *corr, float *out, const int MR) {
-    for (int64_t g = 0; g < K / GS; g++) {
-        group_half(tile, scales, n_pad, row0, K, g, v, sx, corr, out, MR, 0);
-        group_half(tile, scales, n_pad, row0, K, g, v, sx, corr, out, MR, 1);
+    int64_t g, const int16_t *v, const float *sx, const int32_t *corr, float *out,
+    const int MR, const int half) {
+    __m256i a[2 * 4];
+    for (int i = 0; i < 4 * MR; i++) a[i] = _mm256_setzero_si256();
+    for (int kp = 0; kp < GS / 2; kp++) {
+        const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;
+        if (half == 0) pair_prefetch(ph, K, g * GS + 2 * kp);
+        __m256i W[4];
+        u_words8(ph, K, half, W);
+        for (int m = 0; m < MR; m++) {
+            const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
+            for (int j = 0; j < 4; j++) a[4 * m + j] = madd_add(a[4 * m + j], W[j], xb);
+        }
     }
+    group_update(a, scales, n_pad, row0, g, K / GS, sx, corr, out, MR, half, 0, 4);
 }
 
+/* One tile for MR (1 or 2) rows of x, group by group, each group's two halves in turn: the
+ * tile's lines stream from memory without a break (with the whole first half before the
+ * second, the memory idled while the second read the tile again from L2) */
 #define TILE_ARGS                                                                              \
     const uint8_t *tile, const uint16_t *scales, int64_t n_pad, int64_t row0, int64_t K,       \
         const int16_t *v, const float *sx, const int32_t *corr, float *out
-static __attribute__((noinline)) void tile_rows1(TILE_ARGS) {
-    tile_rows(tile, scales, n_pad, row0, K, v, sx, corr, out, 1);
+#define TILE_ROWS(MR)                                                                          \
+    static __attribute__((noinline)) void tile_rows##MR(TILE_ARGS) {                           \
+        for (int64_t g = 0; g < K / GS; g++) {                                                 \
+            group_prefetch(scales, n_pad, row0, K, g);                                         \
+            rows_half(tile, scales, n_pad, row0, K, g, v, sx, corr, out, MR, 0);               \
+            rows_half(tile, scales, n_pad, row0, K, g, v, sx, corr, out, MR, 1);               \
+        }                                                                                      \
+    }
+TILE_ROWS(1)
+TILE_ROWS(2)
+
+/* Rows of x per pass over a tile where there are several (int8_logits) */
+#define MANY_ROWS 8
+
+/* R rows of x (v, sx, corr of the first; out[R][64]) of group g, vectors j0 and j0 + 1 of
+ * half `half`, from the group's words of u decoded (wb [2 halves][GS / 2 column pairs][4]):
+ * 2 R sums in registers */
+static inline __attribute__((always_inline)) void rows_from_words(
+    const __m256i wb[2][GS / 2][4], const uint16_t *scales, int64_t n_pad, int64_t row0,
+    int64_t K, int64_t g, const int16_t *v, const float *sx, const int32_t *corr, float *out,
+    const int R, const int half, const int j0) {
+    __m256i a[4 * 2];
+    for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_si256();
+    /* intrinsics, unrolled by 2: through madd_add GCC copied every sum between registers
+     * (1.1x the time at 8 rows) */
+#pragma GCC unroll 2
+    for (int kp = 0; kp < GS / 2; kp++) {
+        const __m256i w0 = wb[half][kp][j0], w1 = wb[half][kp][j0 + 1];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + r * K + g * GS + 2 * kp));
+            a[2 * r] = _mm256_add_epi32(a[2 * r], _mm256_madd_epi16(w0, xb));
+            a[2 * r + 1] = _mm256_add_epi32(a[2 * r + 1], _mm256_madd_epi16(w1, xb));
+        }
+    }
+    group_update(a, scales, n_pad, row0, g, K / GS, sx, corr, out, R, half, j0, 2);
 }
-static __attribute__((noinline)) void tile_rows2(TILE_ARGS) {
-    tile_rows(tile, scales, n_pad, row0, K, v, sx, corr, out, 2);
+
+#define WORDS_ARGS                                                                             \
+    const __m256i wb[2][GS / 2][4], const uint16_t *scales, int64_t n_pad, int64_t row0,       \
+        int64_t K, int64_t g, const int16_t *v, const float *sx, const int32_t *corr, float *out
+#define ROWS_FROM_WORDS(R)                                                                     \
+    static __attribute__((noinline)) void rows_from_words##R(WORDS_ARGS) {                     \
+        rows_from_words(wb, scales, n_pad, row0, K, g, v, sx, corr, out, R, 0, 0);             \
+        rows_from_words(wb, scales, n_pad, row0, K, g, v, sx, corr, out, R, 0, 2);             \
+        rows_from_words(wb, scales, n_pad, row0, K, g, v, sx, corr, out, R, 1, 0);             \
+        rows_from_words(wb, scales, n_pad, row0, K, g, v, sx, corr, out, R, 1, 2);             \
+    }
+ROWS_FROM_WORDS(1)
+ROWS_FROM_WORDS(2)
+ROWS_FROM_WORDS(3)
+ROWS_FROM_WORDS(4)
+
+/* One tile for mr (4 .. MANY_ROWS) rows of x (out[mr][64]), group by group: the group's words
+ * of u decoded once for both halves (4 KB, read again from L1), each row's sums from them,
+ * 4 rows at a time. The integer sums and the fp32 updates are tile_rows1's, in the same order:
+ * a row's logits are the same in any batch. Against rows two at a time (tile_rows2), each pair
+ * decoding the words again: 0.91 of the time at 8 rows, 1.15x at 2 (Zen 2). */
+static __attribute__((noinline)) void tile_words(TILE_ARGS, int64_t mr) {
+    const int64_t groups = K / GS;
+    __m256i wb[2][GS / 2][4];
+    for (int64_t g = 0; g < groups; g++) {
+        group_prefetch(scales, n_pad, row0, K, g);
+        for (int kp = 0; kp < GS / 2; kp++) {
+            const uint8_t *ph = tile + (g * GS + 2 * kp) * 32;
+            pair_prefetch(ph, K, g * GS + 2 * kp);
+            u_words8(ph, K, 0, wb[0][kp]);
+            u_words8(ph, K, 1, wb[1][kp]);
+        }
+        for (int64_t r0 = 0; r0 < mr; r0 += 4) {
+            const int64_t rn = mr - r0 < 4 ? mr - r0 : 4;
+            const int16_t *vr = v + r0 * K;
+            const float *sr = sx + r0 * groups;
+            const int32_t *cr = corr + r0 * groups;
+            float *o = out + r0 * TILE;
+            if (rn == 4)
+                rows_from_words4(wb, scales, n_pad, row0, K, g, vr, sr, cr, o);
+            else if (rn == 3)
+                rows_from_words3(wb, scales, n_pad, row0, K, g, vr, sr, cr, o);
+            else if (rn == 2)
+                rows_from_words2(wb, scales, n_pad, row0, K, g, vr, sr, cr, o);
+            else
+                rows_from_words1(wb, scales, n_pad, row0, K, g, vr, sr, cr, o);
+        }
+    }
+}
+
+/* One tile's 64 sums of a row (W order) -> y[0 .. rows) (fp32, rows in order) */
+static inline void store_row(const float *o, int64_t rows, float *y) {
+    for (int h = 0; h < 2; h++) { /* W order -> rows in order: 32 rows a half */
+        const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);
+        const __m256 w2 = _mm256_load_ps(o + 32 * h + 16), w3 = _mm256_load_ps(o + 32 * h + 24);
+        const __m256 n[4] = {_mm256_permute2f128_ps(w0, w1, 0x20),
+                             _mm256_permute2f128_ps(w2, w3, 0x20),
+                             _mm256_permute2f128_ps(w0, w1, 0x31),
+                             _mm256_permute2f128_ps(w2, w3, 0x31)};
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = 32 * h + 8 * i;
+            if (r + 8 <= rows)
+                _mm256_storeu_ps(y + r, n[i]);
+            else if (r < rows)
+                _mm256_maskstore_ps(y + r, lanes_n(rows - r), n[i]);
+        }
+    }
 }
 
 int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -154,28 +264,30 @@ int int8_logits(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint
 #pragma omp parallel
     {
         Share share = share_of(ranges, tiles, 1, omp_get_num_threads(), omp_get_thread_num());
-        float out[2 * TILE] __attribute__((aligned(32))); /* [m][64], W order */
+        float out[MANY_ROWS * TILE] __attribute__((aligned(32))); /* [m][64], W order */
         int64_t t0, t1;
         while (share_next(&share, &t0, &t1)) {
             for (int64_t t = t0; t < t1; t++) {
                 const uint8_t *tile = packed + t * tile_bytes;
                 const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                for (int64_t m = 0; m < M; m += 2) { /* rows of x two at a time */
-                    const int64_t mr = M - m >= 2 ? 2 : 1;
+                for (int64_t m = 0; m < M;) { /* rows of x up to MANY_ROWS at a time */
+                    const int64_t left = M - m;
+                    const int64_t mr = left >= 4 ? (left < MANY_ROWS ? left : MANY_ROWS)
+                                                 : (left >= 2 ? 2 : 1);
                     const int16_t *vm = rr.v + m * K;
                     const float *sm = rr.sx + m * groups;
                     const int32_t *cm = rr.corr + m * groups;
-                    for (int i = 0; i < 2 * TILE; i += 8)
+                    for (int i = 0; i < mr * TILE; i += 8)
                         _mm256_store_ps(out + i, _mm256_setzero_ps());
-                    if (mr == 2)
+                    if (mr >= 4)
+                        tile_words(tile, scales, n_pad, n0, K, vm, sm, cm, out, mr);
+                    else if (mr == 2)
                         tile_rows2(tile, scales, n_pad, n0, K, vm, sm, cm, out);
                     else
                         tile_rows1(tile, scales, n_pad, n0, K, vm, sm, cm, out);
                     for (int64_t j = 0; j < mr; j++)
-                        for (int i = 0; i < TILE; i++) { /* W order -> rows */
-                            const int64_t r = w_slot_row(i);
-                            if (r < rows) y[(m + j) * ldy + n0 + r] = out[j * TILE + i];
-                        }
+                        store_row(out + j * TILE, rows, y + (m + j) * ldy + n0);
+                    m += mr;
                 }
             }
         }

@@ -74,7 +74,10 @@ def test_a_row_gets_the_same_logits_alone_and_in_any_batch(each_isa: str) -> Non
                        for i in range(19)])
     threes = torch.cat([cpu_int4.int8_logits(x[i:i + 3], w.packed, w.scales_zeros, 200)
                         for i in range(0, 19, 3)])
-    assert torch.equal(whole, alone) and torch.equal(whole, threes)
+    # 19 = 8 + 8 + 3: rows from decoded words (4-8 at a time) beside pairs and single rows
+    fives = torch.cat([cpu_int4.int8_logits(x[i:i + 5], w.packed, w.scales_zeros, 200)
+                       for i in range(0, 19, 5)])
+    assert torch.equal(whole, alone) and torch.equal(whole, threes) and torch.equal(whole, fives)
 
 
 def test_the_q8_head_takes_int8_logits_and_other_weights_their_matmul(each_isa: str) -> None:
