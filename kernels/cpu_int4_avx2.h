@@ -52,25 +52,6 @@ static inline __m256 group_scales(const Scales *s, const uint16_t *p, int64_t g,
     return sc;
 }
 
-/* the scales of a tile's 64 rows (from row0) SCALE_PREFETCH_GROUPS groups after group g into
- * L2: a tiled pairs form holds the groups of a tile, then of the next, 256 bytes each; the
- * other forms a group's rows n_pad values apart. Without it, the integer path's one-row
- * matmul of a 3072 x 576 weight took 1.2x as long (the hardware's prefetch missed them). */
-#ifndef SCALE_PREFETCH_GROUPS
-#define SCALE_PREFETCH_GROUPS 2
-#endif
-static inline void prefetch_scales(const Scales *s, int64_t g, int64_t row0) {
-    const int64_t gd = g + SCALE_PREFETCH_GROUPS;
-    if (s->tiled) {
-        const char *p = (const char *)(s->p + pair_at(s, g, row0)) + 256 * SCALE_PREFETCH_GROUPS;
-        for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, STREAM_HINT);
-    } else if (gd < s->planes * s->plane_groups) {
-        const char *p = s->half ? (const char *)(s->p + (gd % s->plane_groups) * s->n_pad + row0)
-                                : (const char *)(s->p + pair_at(s, gd, row0));
-        for (int l = 0; l < (s->half ? 128 : 256); l += 64) _mm_prefetch(p + l, STREAM_HINT);
-    }
-}
-
 /* int4_mm_shared of cpu_kernels.h for a weight without a codebook (cpu_int4_avx2_int.c):
  * sz its scales, K2 = planes K; 0, or -1 if out of memory */
 int int4_mm_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
