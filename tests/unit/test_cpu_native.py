@@ -241,7 +241,7 @@ def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
 
 
 @pytest.mark.parametrize("ctxs, head_dim, n_heads, n_kv, block", [
-    ([700, 1, 1300], 64, 9, 3, 16),   # chunks of 512 positions merged, beside a one-chunk row
+    ([700, 1, 1300], 64, 9, 3, 16),   # 2 and 3 chunks merged, beside a one-chunk row
     ([5000], 128, 8, 1, 32),          # eight chunks, group of 8
     ([77, 600], 80, 4, 2, 128),       # head_dim not a multiple of 32; blocks beyond a chunk
     ([33], 256, 2, 2, 16),
