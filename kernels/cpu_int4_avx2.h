@@ -23,6 +23,19 @@ static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
 /* the row of slot i (vector i / 8, lane i % 8) of a tile's 64 sums in W order */
 static inline int w_slot_row(int i) { return w_row(i >> 3) + (i & 4) * 4 + (i & 3); }
 
+/* a tile's 64 fp32 sums in W order (o, 32-byte aligned) -> rows in order: r[i] holds rows
+ * 8 i .. 8 i + 7 (two permutes per 8 rows) */
+static inline __attribute__((always_inline)) void w_order_rows(const float *o, __m256 r[8]) {
+    for (int h = 0; h < 2; h++) { /* 32 rows a half */
+        const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);
+        const __m256 w2 = _mm256_load_ps(o + 32 * h + 16), w3 = _mm256_load_ps(o + 32 * h + 24);
+        r[4 * h] = _mm256_permute2f128_ps(w0, w1, 0x20);
+        r[4 * h + 1] = _mm256_permute2f128_ps(w2, w3, 0x20);
+        r[4 * h + 2] = _mm256_permute2f128_ps(w0, w1, 0x31);
+        r[4 * h + 3] = _mm256_permute2f128_ps(w2, w3, 0x31);
+    }
+}
+
 /* where the scales of group g (g < K2 / gs) begin for the tile whose first row is row0; a row
  * takes one value there (half) or a pair (scale, zero), the rows of a tile in order (the forms of
  * cpu_int4_groups.h's `Scales`) */

@@ -291,6 +291,9 @@ static inline __attribute__((always_inline)) void tile8_int(
         }
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
         for (int64_t m = 0; m < mc; m++) {
+            /* the permutes of w_order_rows (cpu_int4_avx2.h) written out: through it, GCC's
+             * registers for the whole tile loop changed and decode of one sequence took
+             * 1.045-1.061x as long (Zen 2) */
             const float *o = out + m * TILE;
             for (int h = 0; h < 2; h++) { /* W order -> rows in order: 32 rows a half */
                 const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);

@@ -235,20 +235,13 @@ static __attribute__((noinline)) void tile_words(TILE_ARGS, int64_t mr) {
 
 /* One tile's 64 sums of a row (W order) -> y[0 .. rows) (fp32, rows in order) */
 static inline void store_row(const float *o, int64_t rows, float *y) {
-    for (int h = 0; h < 2; h++) { /* W order -> rows in order: 32 rows a half */
-        const __m256 w0 = _mm256_load_ps(o + 32 * h), w1 = _mm256_load_ps(o + 32 * h + 8);
-        const __m256 w2 = _mm256_load_ps(o + 32 * h + 16), w3 = _mm256_load_ps(o + 32 * h + 24);
-        const __m256 n[4] = {_mm256_permute2f128_ps(w0, w1, 0x20),
-                             _mm256_permute2f128_ps(w2, w3, 0x20),
-                             _mm256_permute2f128_ps(w0, w1, 0x31),
-                             _mm256_permute2f128_ps(w2, w3, 0x31)};
-        for (int i = 0; i < 4; i++) {
-            const int64_t r = 32 * h + 8 * i;
-            if (r + 8 <= rows)
-                _mm256_storeu_ps(y + r, n[i]);
-            else if (r < rows)
-                _mm256_maskstore_ps(y + r, lanes_n(rows - r), n[i]);
-        }
+    __m256 n[8];
+    w_order_rows(o, n);
+    for (int i = 0; i < 8 && 8 * i < rows; i++) {
+        if (8 * i + 8 <= rows)
+            _mm256_storeu_ps(y + 8 * i, n[i]);
+        else
+            _mm256_maskstore_ps(y + 8 * i, lanes_n(rows - 8 * i), n[i]);
     }
 }
 
