@@ -20,9 +20,6 @@
  * 4-7), vector 4 + j the same rows + 32. w_row(j): the first row of vector j. */
 static inline int w_row(int j) { return j < 4 ? 4 * j : 32 + 4 * (j - 4); }
 
-/* the row of slot i (vector i / 8, lane i % 8) of a tile's 64 sums in W order */
-static inline int w_slot_row(int i) { return w_row(i >> 3) + (i & 4) * 4 + (i & 3); }
-
 /* a tile's 64 fp32 sums in W order (o, 32-byte aligned) -> rows in order: r[i] holds rows
  * 8 i .. 8 i + 7 (two permutes per 8 rows) */
 static inline __attribute__((always_inline)) void w_order_rows(const float *o, __m256 r[8]) {

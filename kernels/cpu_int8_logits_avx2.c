@@ -71,10 +71,10 @@ static inline __m256 scales8(const uint16_t *scales, int64_t n_pad, int64_t g, i
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
 }
 
-/* The prefetches of group g's scales, in the pass that reads the group from memory: LOGIT_
- * PREFETCH_GROUPS groups on, and the same group's of the next tile (its first groups' are never
- * prefetched otherwise: a group's 64 rows lie 2 n_pad bytes from the next group's; without
- * it, decode of one sequence took 1.05x as long, Zen 2) */
+/* The prefetches of group g's scales, in the pass that reads the group from memory:
+ * LOGIT_PREFETCH_GROUPS groups on, and the same group's of the next tile (its first groups'
+ * are never prefetched otherwise: a group's 64 rows lie 2 n_pad bytes from the next group's;
+ * without it, decode of one sequence took 1.05x as long, Zen 2) */
 static inline __attribute__((always_inline)) void group_prefetch(const uint16_t *scales,
                                                                  int64_t n_pad, int64_t row0,
                                                                  int64_t K, int64_t g) {
