@@ -333,7 +333,7 @@ int decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kpool,
                      uint16_t *out, int64_t ldo, int64_t *claim) {
     return paged_decode_attention(q, ldq, kpool, vpool, n_blocks, tables, width, ctx, B,
                                   num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                                  ldo, claim, MAX_GROUP, attn_chunk, attn_store);
+                                  ldo, claim, MAX_GROUP, attn_chunk, NULL, attn_store);
 }
 
 /* Indices of the k largest values of each row of x (fp32 [rows][n], stride ldx), largest

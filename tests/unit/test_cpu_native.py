@@ -247,6 +247,7 @@ def test_decode_attention(ctxs: list[int], n_heads: int, n_kv: int) -> None:
     ([33], 256, 2, 2, 16),
     ([40, 200], 96, 10, 2, 16),       # V in blocks of 4 and 2 vectors; 5 query heads: 4 + 1
     ([130], 48, 6, 2, 16),            # 3 vectors of V, a half-masked second query vector
+    ([300, 40], 128, 40, 8, 16),      # more query heads than a whole-row task takes
 ])
 def test_decode_attention_long_contexts_and_head_sizes(ctxs: list[int], head_dim: int,
                                                        n_heads: int, n_kv: int,
@@ -270,9 +271,10 @@ def test_decode_attention_long_contexts_and_head_sizes(ctxs: list[int], head_dim
 
 @pytest.mark.parametrize("n_heads, n_kv", [(9, 3), (8, 2), (16, 1), (12, 4)])
 def test_decode_attention_split_heads_equal_whole_groups(n_heads: int, n_kv: int) -> None:
-    # one short sequence gives the threads fewer tasks than two each, so its KV heads' query
-    # heads are split between tasks; in a batch of 8 each task takes a whole group: the same
-    # result bit for bit
+    # per-KV-head tasks (the AVX-512 build): one short sequence gives the threads fewer tasks
+    # than two each, so its KV heads' query heads are split between tasks; in a batch of 8
+    # each task takes a whole group. Whole-row tasks (the AVX2 build): a sequence of 32
+    # positions and more is cut into chunks. Either way the same result bit for bit
     g = torch.Generator().manual_seed(7)
     kp = torch.randn(80, 16, n_kv, 64, generator=g).bfloat16()
     vp = torch.randn(80, 16, n_kv, 64, generator=g).bfloat16()
@@ -288,9 +290,9 @@ def test_decode_attention_split_heads_equal_whole_groups(n_heads: int, n_kv: int
 
 
 def test_decode_attention_gives_the_same_bits_however_the_threads_share_the_tasks() -> None:
-    # each thread runs a share of consecutive tasks (a chunk's KV heads in turn) and then
-    # steals from the others' (cpu_team.h's share_next): which thread runs which task changes
-    # from call to call, the result may not
+    # each thread runs a share of consecutive tasks (chunks, or a chunk's KV heads in turn) and
+    # then steals from the others' (cpu_team.h's share_next): which thread runs which task
+    # changes from call to call, the result may not
     g = torch.Generator().manual_seed(8)
     ctx = torch.tensor([700, 1, 1300, 40, 200, 513, 64, 900])
     kp = torch.randn(8 * 82 + 3, 16, 3, 64, generator=g).bfloat16()
