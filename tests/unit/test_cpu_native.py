@@ -669,9 +669,13 @@ def test_int4_rows_half_equal_the_source_rows(planes: int, group: int) -> None:
         cpu_int4.int4_rows_half(w.packed, w.scales_zeros, planes, torch.tensor([192]))
 
 
-needs_gemm = pytest.mark.skipif(not cpu_native.gemm_available(), reason="this CPU has no AMX "
-                                "(amx_tile, amx_bf16): prompts take dequantize + matmul, which "
-                                "the cpu_path tests cover")
+@pytest.fixture
+def needs_gemm(native_isa: str) -> None:
+    """Skips the test where `int4_gemm` does not run under this build: a CPU without AMX
+    (amx_tile, amx_bf16), or the AVX2 build, which has no tiles (prompts then take dequantize +
+    matmul, which the cpu_path tests cover)."""
+    if not cpu_native.gemm_available():
+        pytest.skip(f"int4_gemm needs AMX tiles and the AVX-512 build (this is {native_isa})")
 
 
 def weight_of_kind(kind: str, out: int) -> tuple[CpuPackedWeight, int]:
@@ -684,7 +688,7 @@ def weight_of_kind(kind: str, out: int) -> tuple[CpuPackedWeight, int]:
                   offsets=not kind.endswith("half")), planes
 
 
-@needs_gemm
+@pytest.mark.usefixtures("needs_gemm")
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("weight", ["int4", "int4-half", "int8-half", "int8-g16", "codebook"])
 @pytest.mark.parametrize("rows", [1, 16, 33, 200])  # 33, 200: a partial block of 16 rows
@@ -700,7 +704,7 @@ def test_int4_gemm_matches_reference(weight: str, rows: int, gated: bool) -> Non
                                atol=1e-5 * float(want.float().abs().max()))
 
 
-@needs_gemm
+@pytest.mark.usefixtures("needs_gemm")
 @pytest.mark.parametrize("weight", ["int4", "int8-half", "int8-g16", "codebook"])
 @pytest.mark.parametrize("rows", [5, 17, 32])
 def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
@@ -715,7 +719,7 @@ def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
     assert not cpu_native.amx_enabled() or cpu_native.AMX_DEFAULT
 
 
-@needs_gemm
+@pytest.mark.usefixtures("needs_gemm")
 def test_int4_gemm_rows_do_not_depend_on_the_batch() -> None:
     w = packed(200, 128, 1)  # a padded last tile: 200 of 256 rows written
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
