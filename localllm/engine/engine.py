@@ -76,6 +76,8 @@ class LLMEngine:
         sched = sched or SchedulerConfig()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        # built here, not inside the first request's time to first token
+        self.tokenizer.prepare_decoding()
         cfg = loaded.config
         self.max_model_len = min(sched.max_model_len or cfg.context_length, cfg.context_length)
         if sched.max_model_len > cfg.context_length:
