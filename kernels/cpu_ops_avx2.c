@@ -170,6 +170,37 @@ static inline void store_scores(const __m256 d[8], int64_t np, float *out) {
         for (int64_t q = 0; q < np; q++) out[q] = hsum8(d[q]);
 }
 
+/* One span's step of an online softmax over its cn scores s (in place: s[p] becomes
+ * exp(s[p] - m)), where *mx is the running max and *den the running sum of weights: m, the max
+ * of *mx and the span's scores, over whole vectors and then the rest (a NaN score is passed
+ * over, as the scalar compare does); *corr = exp(*mx - m), the factor of the sums so far
+ * (applied to V's in v_block8); *den = *den * corr + the span's weights (summed lane by lane,
+ * then across lanes); *mx = m. */
+static inline void span_softmax(float *s, int64_t cn, float *mx, float *den, float *corr) {
+    __m256 mv = _mm256_set1_ps(*mx);
+    int64_t p = 0;
+    for (; p + 8 <= cn; p += 8) mv = _mm256_max_ps(_mm256_load_ps(s + p), mv);
+    float m = hmax8(mv);
+    for (; p < cn; p++) m = s[p] > m ? s[p] : m;
+    *corr = expf(*mx - m);
+    *mx = m;
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 dv = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= cn; p += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + p), mm));
+        _mm256_store_ps(s + p, e);
+        dv = _mm256_add_ps(dv, e);
+    }
+    if (p < cn) { /* a last part vector: its lanes past cn count 0 */
+        const __m256i mk = lanes_n(cn - p);
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(s + p, mk), mm)),
+                                       _mm256_castsi256_ps(mk));
+        _mm256_maskstore_ps(s + p, mk, e);
+        dv = _mm256_add_ps(dv, e);
+    }
+    *den = *den * *corr + hsum8(dv);
+}
+
 /* One task of decode attention (`AttnChunk`, cpu_paged.h): per block of positions, each
  * position's scores (fp32 dot products), an online softmax, the weighted sum of V. */
 static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t *vpool,
@@ -240,33 +271,8 @@ static void attn_chunk(const uint16_t *qh, const uint16_t *kpool, const uint16_t
                     store_scores(d, np, sc[g] + p8);
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *s = sc[g];
-                /* the running max over whole vectors, then the rest (a NaN score is passed
-                 * over, as the scalar compare does) */
-                __m256 mv = _mm256_set1_ps(mx[g]);
-                int64_t p = 0;
-                for (; p + 8 <= cn; p += 8) mv = _mm256_max_ps(_mm256_load_ps(s + p), mv);
-                float m = hmax8(mv);
-                for (; p < cn; p++) m = s[p] > m ? s[p] : m;
-                corr[g] = expf(mx[g] - m); /* acc's factor, applied in v_block8 */
-                mx[g] = m;
-                den[g] *= corr[g];
-                const __m256 mm = _mm256_set1_ps(m);
-                for (p = 0; p + 8 <= cn; p += 8) {
-                    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + p), mm));
-                    _mm256_store_ps(s + p, e);
-                    den[g] += hsum8(e);
-                }
-                if (p < cn) { /* a last part vector: its lanes past cn count 0 */
-                    const __m256i mk = lanes_n(cn - p);
-                    const __m256 e = _mm256_and_ps(
-                        exp256(_mm256_sub_ps(_mm256_maskload_ps(s + p, mk), mm)),
-                        _mm256_castsi256_ps(mk));
-                    _mm256_maskstore_ps(s + p, mk, e);
-                    den[g] += hsum8(e);
-                }
-            }
+            for (int64_t g = 0; g < group; g++)
+                span_softmax(sc[g], cn, &mx[g], &den[g], &corr[g]);
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t gn = group - g0 < 4 ? group - g0 : 4;
                 for (int64_t j0 = 0; j0 < nv; j0 += 3) {
@@ -368,34 +374,7 @@ static void attn_rows(const uint16_t *q, const uint16_t *kpool, const uint16_t *
             }
             for (int64_t h = 0; h < heads; h++) store_scores(dd[h], np, sc[h] + p8);
         }
-        for (int64_t h = 0; h < heads; h++) {
-            float *s = sc[h];
-            /* the running max over whole vectors, then the rest (a NaN score is passed over, as
-             * the scalar compare does) */
-            __m256 mv = _mm256_set1_ps(mx[h]);
-            int64_t p = 0;
-            for (; p + 8 <= cn; p += 8) mv = _mm256_max_ps(_mm256_load_ps(s + p), mv);
-            float m = hmax8(mv);
-            for (; p < cn; p++) m = s[p] > m ? s[p] : m;
-            corr[h] = expf(mx[h] - m); /* acc's factor, applied in v_block8 */
-            mx[h] = m;
-            const __m256 mm = _mm256_set1_ps(m);
-            __m256 dv = _mm256_setzero_ps(); /* the span's weights, lane by lane */
-            for (p = 0; p + 8 <= cn; p += 8) {
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + p), mm));
-                _mm256_store_ps(s + p, e);
-                dv = _mm256_add_ps(dv, e);
-            }
-            if (p < cn) { /* a last part vector: its lanes past cn count 0 */
-                const __m256i mk = lanes_n(cn - p);
-                const __m256 e = _mm256_and_ps(
-                    exp256(_mm256_sub_ps(_mm256_maskload_ps(s + p, mk), mm)),
-                    _mm256_castsi256_ps(mk));
-                _mm256_maskstore_ps(s + p, mk, e);
-                dv = _mm256_add_ps(dv, e);
-            }
-            den[h] = den[h] * corr[h] + hsum8(dv);
-        }
+        for (int64_t h = 0; h < heads; h++) span_softmax(sc[h], cn, &mx[h], &den[h], &corr[h]);
         for (int64_t kh = 0; kh < num_kv_heads; kh++)
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 const int64_t gn = group - g0 < 4 ? group - g0 : 4, h0 = kh * group + g0;
