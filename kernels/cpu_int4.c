@@ -14,9 +14,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 2 /* one row stays on AVX-512 (see cpu_native.amx_enabled) */
-#endif
 
 static int amx_enabled = 0;   /* decode batches on tiles (LOCALLLM_AMX=1) */
 static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_ready) */

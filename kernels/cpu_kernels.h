@@ -36,8 +36,12 @@ int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
 int int4_gemm_ready(void);
 
 /* on = 1: decode batches of int4_mm on AMX tiles (if permitted); 0: off; -1: only ask.
- * Returns whether they are on. */
+ * Returns whether they are on. Batches of fewer than AMX_MIN_ROWS rows stay on AVX-512
+ * either way (see cpu_native.amx_enabled). */
 int int4_amx_enable(int on);
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 2
+#endif
 
 /* y = x @ W^T on AMX tiles for many rows, or with `gated` silu(x Wg^T) * (x Wu^T); operands as
  * for int4_mm. Call int4_gemm_ready first. Returns 0, -1 if out of memory, -2 for another

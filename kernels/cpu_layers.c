@@ -131,13 +131,14 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
     memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
     /* All layers in one parallel region, every thread running the loop (cpu_team.h): the
      * kernels split their work over the team and end with its barrier, as do RoPE and the K/V
-     * store (rope_store). Not with AMX tiles on (their kernel opens its own region), nor where
+     * store (rope_store). Not where this step's matmuls take AMX tiles (decode batches of
+     * AMX_MIN_ROWS rows or more with tiles on: their kernel opens its own region), nor where
      * a matmul's group sums of x would not fit its stack room (a kernel must not fail on one
      * thread alone). Every exit below is taken by all threads at once: matmul and attention
      * return the same value on each, and rope_store's errors are read after a barrier. */
     const int64_t k_max = H > q_w ? (H > inter ? H : inter) : (q_w > inter ? q_w : inter);
-    const int team = omp_get_max_threads() > 1 && !int4_amx_enable(-1) &&
-                     M * (2 * k_max / 16) <= XSUM_ROOM;
+    const int tiles = M >= AMX_MIN_ROWS && int4_amx_enable(-1);
+    const int team = omp_get_max_threads() > 1 && !tiles && M * (2 * k_max / 16) <= XSUM_ROOM;
 #pragma omp parallel if (team)
     for (int64_t l = 0; l < n_layers; l++) {
         const DecoderLayer *L = &layers[l];
