@@ -59,7 +59,8 @@ SOURCES = {
                      "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
                      "cpu_sample.c", "cpu_layers.c"),
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_avx2_int.c", "cpu_int4_rows.c",
-                   "cpu_int8_logits_avx2.c", "cpu_ops_avx2.c", "cpu_sample.c", "cpu_layers.c"),
+                   "cpu_int8_logits_avx2.c", "cpu_ops_avx2.c", "cpu_attn_avx2.c", "cpu_sample.c",
+                   "cpu_layers.c"),
 }
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
