@@ -1,6 +1,6 @@
 /* Int4 weight-only matmuls on PyTorch's packed int4 CPU layout (cpu_int4.h): int4_mm's choice
- * of path, a few rows (decode) on AVX-512 BF16 (cpu_int4_avx512.c) or, once enabled, batches
- * on AMX tiles (cpu_int4_amx.c), and the OS's permission to use the tiles.
+ * of path, AVX-512 BF16 (cpu_int4_avx512.c) or, where enabled, AMX tiles for any number of
+ * rows (cpu_int4_amx.c), and the OS's permission to use the tiles.
  * Rows are split across OpenMP threads; this library links the libgomp that PyTorch already
  * loaded (same soname), so it shares PyTorch's thread team and thread count.
  */
@@ -15,11 +15,11 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int amx_enabled = 0;   /* decode batches on tiles (LOCALLLM_AMX=1) */
+static int amx_enabled = 0;   /* every int4_mm row on tiles (cpu_native.AMX_DEFAULT) */
 static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_ready) */
 
 /* Asks the kernel for the AMX tile state once; returns whether tiles may be used at all (the
- * prompt matmuls, and decode batches once int4_amx_enable turns them on). */
+ * prompt matmuls, and every int4_mm row once int4_amx_enable turns them on). */
 int int4_gemm_ready(void) {
     static int asked = 0;
     if (!asked) {
@@ -55,7 +55,7 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
     if (amx && gs == GROUP && !lut)
-        int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy);
+        int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy, claim);
     else
         int4_mm_avx512(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, gs, lut, claim);
     if (xsum != room) free(xsum);
@@ -66,7 +66,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled && M >= AMX_MIN_ROWS, NULL);
+              amx_enabled, NULL);
 }
 
 int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -74,7 +74,7 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
                    int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
                    int64_t *claim) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled && M >= AMX_MIN_ROWS, claim);
+              amx_enabled, claim);
 }
 
 /* tiles wherever permitted, whatever `amx_enabled` says (which is about decoding rows, whose

@@ -146,6 +146,7 @@ INT4_INTERNAL void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t l
  * permission (int4_gemm_ready) (cpu_int4_amx.c) */
 INT4_INTERNAL void int4_mm_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
-                               int64_t groups, const float *xsum, uint16_t *y, int64_t ldy);
+                               int64_t groups, const float *xsum, uint16_t *y, int64_t ldy,
+                               int64_t *claim);
 
 #endif

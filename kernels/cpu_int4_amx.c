@@ -10,6 +10,7 @@
 #include "cpu_int4.h"
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
+#include "cpu_team.h"
 
 #define AMX_ROWS 16
 
@@ -19,8 +20,15 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) TileConfig;
 
+/* The row count the calling thread's tiles are configured for (amx_config), 0: none. A kernel
+ * called by a team's thread (decode_layers') leaves them configured for the next matmul, and
+ * the team releases them at the end of its step (int4_tiles_release): configuring and
+ * releasing them at every matmul cost about 2 us a call, 6% of a one-row decode step. */
+static __thread int64_t tile_rows = 0;
+
 /* tmm0-3: C for the four 16-row blocks of a tile; tmm4: A (x); tmm5-7: B */
 static void amx_config(int64_t mr) {
+    if (tile_rows == mr) return;
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -29,84 +37,206 @@ static void amx_config(int64_t mr) {
         cfg.rows[i] = i < 5 ? (uint8_t)mr : 16;
     }
     _tile_loadconfig(&cfg);
+    tile_rows = mr;
 }
 
-/* ---- int4_mm's path: the same sums as the AVX-512 path with tile matmuls ----
+void int4_tiles_release(void) {
+    if (tile_rows) _tile_release();
+    tile_rows = 0;
+}
+
+/* ---- int4_mm's path on tiles: the AVX-512 path's formula with tile matmuls ----
  *
  * Per 64-row tile and group of 32 columns (groups of 16 stay on AVX-512), the unpacked
  * (k, k+1) pairs of four 16-row blocks are exactly four B tiles of TDPBF16PS (16 pair rows x
  * 16 columns); x's rows for the group are the A tile; C (x rows x 16 fp32) = sum x (128 + c),
- * then the same epilogue as the AVX-512 path. Each output element is summed within one tile op
- * whatever the number of rows, so a row's result does not depend on its batch; once enabled,
- * every call takes this path. */
+ * then the same epilogue as the AVX-512 path. A tile multiply sums a group in its own order
+ * (the results differ from the AVX-512 path's at fp32 rounding), but each output element is
+ * summed within one tile op whatever the number of rows, so a row's result does not depend
+ * on its batch; once enabled, every call takes this path, one row included. */
+
+/* Group g's 64 x 32 codes at p as the four B tiles of TDPBF16PS, bt[r]: 16 pair rows of row
+ * block r's 16 weights (128 + c, bf16) */
+static inline __attribute__((always_inline)) void unpack_group(const uint8_t *p,
+                                                               uint16_t bt[4][16][32]) {
+    _mm_prefetch((const char *)p + PREFETCH_BYTES, STREAM_HINT);
+    for (int kp = 0; kp < GROUP / 2; kp++) {
+        if (kp % 2 == 0)
+            _mm_prefetch((const char *)p + 64 * kp + PREFETCH_BYTES + 64, STREAM_HINT);
+        __m512i w[4];
+        unpack_pairs(_mm512_loadu_si512(p + 64 * kp), w);
+        for (int r = 0; r < 4; r++) _mm512_store_si512(bt[r][kp], w[r]);
+    }
+}
+
+/* C tiles 0-3 += A (tile 4, loaded by the caller) times the four B tiles of bt */
+static inline __attribute__((always_inline)) void group_products(uint16_t bt[4][16][32]) {
+    _tile_loadd(5, bt[0], 64);
+    _tile_loadd(6, bt[1], 64);
+    _tile_loadd(7, bt[2], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, bt[3], 64);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
+static inline __attribute__((always_inline)) void store_sums(float ct[4][AMX_ROWS][16]) {
+    _tile_stored(0, ct[0], 64);
+    _tile_stored(1, ct[1], 64);
+    _tile_stored(2, ct[2], 64);
+    _tile_stored(3, ct[3], 64);
+}
+
+/* acc[m] (fp32 [64], m < mr) += group g's sums, C row c + m (ct), scaled: s a + (z - 136 s) sx,
+ * with xs[m * groups] x's sum over the group (tile rows from row0) */
+static inline __attribute__((always_inline)) void add_group(
+    const Scales *sz, int64_t g, int64_t row0, int64_t mr, const float *xs, int64_t groups,
+    float ct[4][AMX_ROWS][16], int64_t c, float *acc) {
+    for (int r = 0; r < 4; r++) {
+        __m512 zz; /* z - 136 s */
+        const __m512 sc = group_scale(sz, g, row0 + 16 * r, 136.0f, &zz);
+        for (int64_t m = 0; m < mr; m++) {
+            float *o = acc + m * TILE + 16 * r;
+            __m512 a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][c + m]), _mm512_load_ps(o));
+            a = _mm512_fmadd_ps(zz, _mm512_set1_ps(xs[m * groups]), a);
+            _mm512_store_ps(o, a);
+        }
+    }
+}
+
+/* Tiles u0 .. u1 - 1 for the M rows of x (operands of int4_mm_amx), on the calling thread;
+ */
+static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                      const uint8_t *packed, const Scales *sz, int64_t N, int64_t groups,
+                      const float *xsum, uint16_t *y, int64_t ldy, int64_t u0, int64_t u1) {
+    const int64_t tile_bytes = groups * GROUP * 32;
+    uint16_t bt[4][16][32] __attribute__((aligned(64)));
+    float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
+    float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
+    for (int64_t t = u0; t < u1; t++) {
+        const uint8_t *tile = packed + t * tile_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+            amx_config(mr);
+            memset(acc, 0, sizeof(float) * (size_t)(mr * TILE));
+            for (int64_t g = 0; g < groups; g++) {
+                unpack_group(tile + g * GROUP * 32, bt);
+                const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, x + m0 * ldx + kx, ldx * 2);
+                group_products(bt);
+                store_sums(ct);
+                add_group(sz, g, t * TILE, mr, xsum + m0 * groups + g, groups, ct, 0, acc[0]);
+            }
+            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t m = 0; m < mr; m++)
+                for (int64_t r = 0; r < rows; r += 16)
+                    store_floats_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
+        }
+    }
+}
+
+/* ---- one row of x: its groups in the rows of C ----
+ *
+ * One row of x on amx_tiles' path stores its four C tiles after every group, and a tile
+ * store waits for the tile multiplies before it and holds back the vector code after it (the
+ * unpacking of the next group): 98 ns a group and tile on one core, against 77 on AVX-512.
+ * Here group g's TDPBF16PS takes an A tile whose row g % ROW_GROUPS is x's group g and whose
+ * other rows are zero, so that C row g % ROW_GROUPS gets exactly the sum amx_tiles' C would
+ * (the other groups' multiplies add zero products to it), and the four C tiles are stored
+ * once every ROW_GROUPS groups: about 80 ns. The epilogue then takes the groups in order, so
+ * every output is the one amx_tiles computes, bit for bit.
+ *
+ * The A tiles come from a thread's own buffer of 64-byte cells: x's group g in cell
+ * ROW_GROUPS - 1 + ROW_GROUPS g, zeros in the ROW_GROUPS - 1 cells between, so the 16-row A
+ * tile from cell ROW_GROUPS - 1 + ROW_GROUPS g - (g % ROW_GROUPS) has x's group in row
+ * g % ROW_GROUPS alone. The zeros are written once, when the buffer grows; a call writes its
+ * groups' cells. */
+#define ROW_GROUPS 8
+
+static __thread uint16_t *row_cells = NULL; /* the buffer above, bf16 [cells][32] */
+static __thread int64_t row_cells_groups = 0;  /* the groups it has room for */
+
+/* The calling thread's buffer with x's groups in place, or NULL if out of memory */
+static const uint16_t *row_groups(const uint16_t *x, int64_t K, int64_t groups) {
+    if (row_cells_groups < groups) {
+        const size_t bytes = (size_t)((groups + 1) * ROW_GROUPS * 64);
+        uint16_t *cells = aligned_alloc(64, bytes);
+        if (!cells) return NULL;
+        memset(cells, 0, bytes);
+        free(row_cells);
+        row_cells = cells;
+        row_cells_groups = groups;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0); /* plane 1 reads x again */
+        memcpy(row_cells + (ROW_GROUPS - 1 + g * ROW_GROUPS) * 32, x + kx, 64);
+    }
+    return row_cells;
+}
+
+/* Tiles u0 .. u1 - 1 for one row of x, its groups in `cells` (row_groups) */
+static void amx_row(const uint16_t *cells, const uint8_t *packed, const Scales *sz, int64_t N,
+                    int64_t groups, const float *xsum, uint16_t *y, int64_t u0, int64_t u1) {
+    const int64_t tile_bytes = groups * GROUP * 32;
+    uint16_t bt[2][4][16][32] __attribute__((aligned(64))); /* two groups' B tiles */
+    float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
+    float acc[TILE] __attribute__((aligned(64)));
+    amx_config(ROW_GROUPS);
+    for (int64_t t = u0; t < u1; t++) {
+        const uint8_t *tile = packed + t * tile_bytes;
+        memset(acc, 0, sizeof acc);
+        for (int64_t g0 = 0; g0 < groups; g0 += ROW_GROUPS) {
+            const int64_t ng = groups - g0 < ROW_GROUPS ? groups - g0 : ROW_GROUPS;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t j = 0; j < ng; j++) {
+                const int64_t g = g0 + j;
+                uint16_t(*b)[16][32] = bt[j % 2];
+                unpack_group(tile + g * GROUP * 32, b);
+                _tile_loadd(4, cells + (ROW_GROUPS - 1 + g * ROW_GROUPS - j) * 32, 64);
+                group_products(b);
+            }
+            store_sums(ct);
+            for (int64_t j = 0; j < ng; j++)
+                add_group(sz, g0 + j, t * TILE, 1, xsum + g0 + j, groups, ct, j, acc);
+        }
+        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t r = 0; r < rows; r += 16) store_floats_bf16(acc + r, y + n0 + r, rows - r);
+    }
+}
+
+/* Thread id's tiles among nth (share_next with the team's `ranges`) */
+static void amx_share(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                      const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
+                      int64_t groups, const float *xsum, uint16_t *y, int64_t ldy,
+                      int64_t *ranges, int64_t nth, int64_t id, int held) {
+    Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
+    int64_t u0, u1;
+    /* one row: amx_row's path where the buffer can be had (else amx_tiles': the same bits) */
+    const uint16_t *cells = M == 1 ? row_groups(x, K, groups) : NULL;
+    while (share_next(&share, &u0, &u1))
+        if (cells)
+            amx_row(cells, packed, sz, N, groups, xsum, y, u0, u1);
+        else
+            amx_tiles(x, M, K, ldx, packed, sz, N, groups, xsum, y, ldy, u0, u1);
+    if (!held) int4_tiles_release();
+}
+
 void int4_mm_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                  const Scales *sz, int64_t N, int64_t n_pad, int64_t groups, const float *xsum,
-                 uint16_t *y, int64_t ldy) {
-    const int64_t tiles = n_pad / TILE, tile_bytes = groups * GROUP * 32;
-#pragma omp parallel
-    {
-        uint16_t bt[4][16][32] __attribute__((aligned(64))); /* B tiles: [r][pair row][n, 2] */
-        float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
-        float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
-        int64_t configured = 0;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *tile = packed + t * tile_bytes;
-            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-                const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                if (mr != configured) {
-                    amx_config(mr);
-                    configured = mr;
-                }
-                memset(acc, 0, sizeof(float) * (size_t)(mr * TILE));
-                for (int64_t g = 0; g < groups; g++) {
-                    const uint8_t *p = tile + g * GROUP * 32;
-                    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                    for (int kp = 0; kp < GROUP / 2; kp++) {
-                        if (kp % 2 == 0)
-                            _mm_prefetch((const char *)p + 64 * kp + PREFETCH_BYTES + 64,
-                                         _MM_HINT_T0);
-                        __m512i w[4];
-                        unpack_pairs(_mm512_loadu_si512(p + 64 * kp), w);
-                        for (int r = 0; r < 4; r++) _mm512_store_si512(bt[r][kp], w[r]);
-                    }
-                    const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0);
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    _tile_loadd(4, x + m0 * ldx + kx, ldx * 2);
-                    _tile_loadd(5, bt[0], 64);
-                    _tile_loadd(6, bt[1], 64);
-                    _tile_loadd(7, bt[2], 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(1, 4, 6);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_loadd(5, bt[3], 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                    _tile_stored(0, ct[0], 64);
-                    _tile_stored(1, ct[1], 64);
-                    _tile_stored(2, ct[2], 64);
-                    _tile_stored(3, ct[3], 64);
-                    for (int r = 0; r < 4; r++) {
-                        __m512 zz; /* z - 136 s */
-                        const __m512 sc = group_scale(sz, g, t * TILE + 16 * r, 136.0f, &zz);
-                        for (int64_t m = 0; m < mr; m++) {
-                            __m512 a = _mm512_load_ps(acc[m] + 16 * r);
-                            a = _mm512_fmadd_ps(sc, _mm512_load_ps(ct[r][m]), a);
-                            a = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[(m0 + m) * groups + g]), a);
-                            _mm512_store_ps(acc[m] + 16 * r, a);
-                        }
-                    }
-                }
-                const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-                for (int64_t m = 0; m < mr; m++)
-                    for (int64_t r = 0; r < rows; r += 16)
-                        store_floats_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
-            }
-        }
-        if (configured) _tile_release();
-    }
+                 uint16_t *y, int64_t ldy, int64_t *claim) {
+    SHARE_OWN(own, claim);
+    int64_t *ranges = share_ranges(claim, own);
+    const int held = in_team(); /* a team's step: its tiles stay configured (tile_rows) */
+    TEAM_RUN(nth, id, amx_share(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy,
+                                ranges, nth, id, held));
 }
 
 /* ---- int4_gemm: x @ W^T for a prompt's rows without a dequantized W^T ----
@@ -199,7 +329,6 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
         /* gated: the tile's gate products in gu[m][0..63], up in gu[m][64..127], all rows */
         uint16_t *gu = gated ? malloc(sizeof(uint16_t) * (size_t)(M * 2 * TILE)) : NULL;
         float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
-        int64_t configured = 0;
         if (!bt || (gated && !gu)) {
 #pragma omp atomic write
             failed = 1;
@@ -214,10 +343,7 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                                bt + pair_bytes / sizeof(uint16_t));
                 for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
                     const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                    if (mr != configured) {
-                        amx_config(mr);
-                        configured = mr;
-                    }
+                    amx_config(mr);
                     const uint16_t *xb = x + m0 * ldx;
                     tile_block(xb, ldx, K, bt, ct);
                     if (!gated) {
@@ -238,7 +364,7 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                     silu_mul_row(gu + m * 2 * TILE, TILE, y + m * ldy + u * TILE);
             }
         }
-        if (configured) _tile_release();
+        int4_tiles_release();
         free(bt);
         free(gu);
     }

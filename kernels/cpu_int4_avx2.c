@@ -252,6 +252,8 @@ int int4_amx_enable(int on) {
     return 0;
 }
 
+void int4_tiles_release(void) {}
+
 int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
               int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,

@@ -35,13 +35,13 @@ int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
 /* Asks the OS for the AMX tile state once; returns whether tiles may be used at all. */
 int int4_gemm_ready(void);
 
-/* on = 1: decode batches of int4_mm on AMX tiles (if permitted); 0: off; -1: only ask.
- * Returns whether they are on. Batches of fewer than AMX_MIN_ROWS rows stay on AVX-512
- * either way (see cpu_native.amx_enabled). */
+/* on = 1: int4_mm's rows on AMX tiles (if permitted), whatever their number; 0: off (the
+ * AVX-512 path); -1: only ask. Returns whether they are on. */
 int int4_amx_enable(int on);
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 2
-#endif
+
+/* Releases the calling thread's AMX tiles, which int4_mm leaves configured when called by a
+ * team's thread (decode_layers calls it on each thread at the end of a step). */
+void int4_tiles_release(void);
 
 /* y = x @ W^T on AMX tiles for many rows, or with `gated` silu(x Wg^T) * (x Wu^T); operands as
  * for int4_mm. Call int4_gemm_ready first. Returns 0, -1 if out of memory, -2 for another

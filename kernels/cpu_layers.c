@@ -131,55 +131,56 @@ static int decode_step(const DecoderLayer *layers, int64_t n_layers, const Decod
     memcpy(res, x, sizeof(uint16_t) * (size_t)(M * H));
     /* All layers in one parallel region, every thread running the loop (cpu_team.h): the
      * kernels split their work over the team and end with its barrier, as do RoPE and the K/V
-     * store (rope_store). Not where this step's matmuls take AMX tiles (decode batches of
-     * AMX_MIN_ROWS rows or more with tiles on: their kernel opens its own region), nor where
-     * a matmul's group sums of x would not fit its stack room (a kernel must not fail on one
-     * thread alone). Every exit below is taken by all threads at once: matmul and attention
-     * return the same value on each, and rope_store's errors are read after a barrier. */
+     * store (rope_store), the AMX tile kernel included. Not where a matmul's group sums of x
+     * would not fit its stack room (a kernel must not fail on one thread alone). Every exit
+     * below is taken by all threads at once: matmul and attention return the same value on
+     * each, and rope_store's errors are read after a barrier. */
     const int64_t k_max = H > q_w ? (H > inter ? H : inter) : (q_w > inter ? q_w : inter);
-    const int tiles = M >= AMX_MIN_ROWS && int4_amx_enable(-1);
-    const int team = omp_get_max_threads() > 1 && !tiles && M * (2 * k_max / 16) <= XSUM_ROOM;
+    const int team = omp_get_max_threads() > 1 && M * (2 * k_max / 16) <= XSUM_ROOM;
 #pragma omp parallel if (team)
-    for (int64_t l = 0; l < n_layers; l++) {
-        const DecoderLayer *L = &layers[l];
-        int r;
-        if (l == 0)
-            rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
-        else
-            rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->qkv, h, M, H, qkv, &claims, 4 * l))) {
-            if (omp_get_thread_num() == 0) rc = r;
-            break;
-        }
-        {
-            const int e = rope_store(qkv, M, d, L, cos_t, sin_t, table_rows, pos, slots,
-                                     omp_get_num_threads(), omp_get_thread_num());
-            if (e) {
-#pragma omp atomic write
-                rc = e;
+    {
+        for (int64_t l = 0; l < n_layers; l++) {
+            const DecoderLayer *L = &layers[l];
+            int r;
+            if (l == 0)
+                rms_norm(res, H, NULL, 0, L->input_norm, M, H, d->eps, h, H);
+            else
+                rms_norm(y, H, res, H, L->input_norm, M, H, d->eps, h, H);
+            if ((r = matmul(&L->qkv, h, M, H, qkv, &claims, 4 * l))) {
+                if (omp_get_thread_num() == 0) rc = r;
+                break;
             }
+            {
+                const int e = rope_store(qkv, M, d, L, cos_t, sin_t, table_rows, pos, slots,
+                                         omp_get_num_threads(), omp_get_thread_num());
+                if (e) {
+#pragma omp atomic write
+                    rc = e;
+                }
 #pragma omp barrier
+            }
+            if (rc) break;
+            r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width,
+                                 ctx, M, num_heads, num_kv_heads, head_dim, d->block_size,
+                                 d->scale, att, q_w, att_set);
+            if (omp_get_thread_num() == 0) /* past its barrier: for the next layer's */
+                memset(att_set, 0, sizeof(int64_t) * (size_t)stride);
+            if (r || (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {
+                if (omp_get_thread_num() == 0) rc = r;
+                break;
+            }
+            rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
+            if ((r = matmul(&L->gate_up, h, M, H, gu, &claims, 4 * l + 2))) {
+                if (omp_get_thread_num() == 0) rc = r;
+                break;
+            }
+            silu_mul(gu, 2 * inter, M, inter, act, inter);
+            if ((r = matmul(&L->down, act, M, inter, y, &claims, 4 * l + 3))) {
+                if (omp_get_thread_num() == 0) rc = r;
+                break;
+            }
         }
-        if (rc) break;
-        r = decode_attention(qkv, qkv_w, L->k_pool, L->v_pool, d->n_blocks, tables, width, ctx,
-                             M, num_heads, num_kv_heads, head_dim, d->block_size, d->scale, att,
-                             q_w, att_set);
-        if (omp_get_thread_num() == 0) /* past its barrier: for the next layer's */
-            memset(att_set, 0, sizeof(int64_t) * (size_t)stride);
-        if (r || (r = matmul(&L->o, att, M, q_w, y, &claims, 4 * l + 1))) {
-            if (omp_get_thread_num() == 0) rc = r;
-            break;
-        }
-        rms_norm(y, H, res, H, L->post_norm, M, H, d->eps, h, H);
-        if ((r = matmul(&L->gate_up, h, M, H, gu, &claims, 4 * l + 2))) {
-            if (omp_get_thread_num() == 0) rc = r;
-            break;
-        }
-        silu_mul(gu, 2 * inter, M, inter, act, inter);
-        if ((r = matmul(&L->down, act, M, inter, y, &claims, 4 * l + 3))) {
-            if (omp_get_thread_num() == 0) rc = r;
-            break;
-        }
+        int4_tiles_release(); /* the matmuls' AMX tiles, where they took them */
     }
     if (!rc) rms_norm(y, H, res, H, final_norm, M, H, d->eps, x, H);
     free(buf);

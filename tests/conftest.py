@@ -63,13 +63,15 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(params=["native", "native-dense", "native-avx2", "pytorch"])
-def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test through the native CPU kernels (prompts on AMX tiles where the CPU has
-    them), through them with prompts as on CPUs without AMX (the AVX-512 kernels),
-    through the AVX2 build of the kernels on a CPU whose default is the AVX-512 one, and
-    through PyTorch ops alone (machines without AVX2 or a compiler)."""
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs a test through the native CPU kernels (AMX tiles where the CPU has them), through
+    them as on CPUs without AMX (the AVX-512 kernels: prompts through the dequantized weight,
+    decoding rows off the tiles), through the AVX2 build of the kernels on a CPU whose
+    default is the AVX-512 one, and through PyTorch ops alone (machines without AVX2 or a
+    compiler)."""
     from localllm.kernels import cpu_native
 
+    amx = False
     if request.param == "native-avx2":
         if cpu_native.isa() == "avx2" or "avx2" not in cpu_native.isas_available():
             pytest.skip("the AVX2 build is this machine's default (\"native\") or does not run")
@@ -78,6 +80,11 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if not cpu_native.available():
             pytest.skip("native CPU kernels are not available here (AVX2 + compiler)")
         monkeypatch.setattr(cpu_native, "_gemm_on", request.param == "native")
+        amx = request.param == "native-dense" and cpu_native.amx_enabled()
+        if amx:
+            cpu_native.set_amx(False)
     else:
         monkeypatch.setattr(cpu_native, "_library", lambda: None)
-    return str(request.param)
+    yield str(request.param)
+    if amx:
+        cpu_native.set_amx(True)

@@ -16,7 +16,6 @@ from localllm import LLM, CacheConfig, RequestError, SamplingParams, SchedulerCo
 from localllm.engine.engine import TokenLogprobs
 from localllm.engine.request import Request
 from localllm.engine.scheduler import ScheduledRequest
-from localllm.kernels import cpu_native
 
 STORIES_TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -310,23 +309,15 @@ SMOLLM_TEXTS = [
 # outside the linear layers, whose rows are exact in any batch)
 @pytest.mark.parametrize("cpu_path", ["native", "native-dense", "native-avx2"], indirect=True)
 def test_bf16_default_model_batched_matches_alone(smollm_path: Path, cpu_path: str) -> None:
-    """Without AMX decode (the default) a request's greedy bf16 tokens on the default model
-    are the same alone and in a batch with staggered arrivals, with either build of the
-    native kernels (every decoding row's sums run in one order whatever the batch).
-    LOCALLLM_AMX=1 gives this up for batch speed (`cpu_native.amx_enabled`), so the test turns
-    it off where it is on."""
-    amx = cpu_native.amx_enabled()
-    if amx:
-        cpu_native.set_amx(False)
-    try:
-        llm = make_llm(smollm_path, dtype="bfloat16")
-        jobs = [Job(llm.encode(t), 24, arrival_step=2 * i) for i, t in enumerate(SMOLLM_TEXTS)]
-        alone = run_alone(llm, jobs)
-        batched = make_llm(smollm_path, dtype="bfloat16")
-        reqs = run_staggered(batched, jobs)
-    finally:
-        if amx:
-            cpu_native.set_amx(True)
+    """A request's greedy bf16 tokens on the default model are the same alone and in a batch
+    with staggered arrivals, with either build of the native kernels, on AMX tiles where the
+    CPU has them ("native") and off them ("native-dense"): every decoding row's sums run in
+    one order whatever the batch."""
+    llm = make_llm(smollm_path, dtype="bfloat16")
+    jobs = [Job(llm.encode(t), 24, arrival_step=2 * i) for i, t in enumerate(SMOLLM_TEXTS)]
+    alone = run_alone(llm, jobs)
+    batched = make_llm(smollm_path, dtype="bfloat16")
+    reqs = run_staggered(batched, jobs)
     assert max(batched.engine.stats.tokens_per_step) > len(jobs)  # prompts beside decodes
     for r, a, text in zip(reqs, alone, SMOLLM_TEXTS):
         assert r.output_ids == a, text
@@ -340,34 +331,27 @@ def test_bf16_split_cached_and_preempted_prompts_match_alone(smollm_path: Path,
     budget, when it is resumed after a cached prefix, and when it is computed again after a
     preemption: each prompt row takes its whole prompt's path (`dispatch.prompt_path`, and
     SDPA in fixed blocks, `prompt_attention`), and rows past the prompt the decode kernel."""
-    amx = cpu_native.amx_enabled()
-    if amx:
-        cpu_native.set_amx(False)
-    try:
-        llm = make_llm(smollm_path, dtype="bfloat16")
-        # 39-49 tokens each; the last ends one token into a block (a 1-token tail when cached)
-        prompts = [llm.encode(" ".join(f"item{7 * j + i}" for j in range(n))
-                              + " Summarize the list.")
-                   for i, n in ((0, 13), (1, 12), (3, 14), (2, 15))]
-        assert len(prompts[-1]) % llm.engine.block_size == 1
-        # each sampled token's log-probability and the best two: they move with any change
-        # in the logits, where a greedy token needs a near tie to change
-        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-        alone = [run_logged(llm, [p], params)[0][0] for p in prompts]
-        assert [len(p) > 16 for p in prompts] == [True] * 4  # beyond the kernel's prompt rows
-        split = make_llm(smollm_path, dtype="bfloat16", budget=72)
-        assert run_logged(split, prompts, params)[0] == alone
-        assert max(split.engine.stats.tokens_per_step) <= 72 < sum(map(len, prompts))
-        # the same prompts again: all but their last partial block cached
-        again, reqs = run_logged(split, prompts, params)
-        assert [r.num_cached_tokens for r in reqs] == [len(p) // 16 * 16 for p in prompts]
-        assert again == alone
-        tight = make_llm(smollm_path, dtype="bfloat16", num_blocks=10)
-        assert run_logged(tight, prompts, params)[0] == alone
-        assert tight.engine.stats.preemptions > 0
-    finally:
-        if amx:
-            cpu_native.set_amx(True)
+    llm = make_llm(smollm_path, dtype="bfloat16")
+    # 39-49 tokens each; the last ends one token into a block (a 1-token tail when cached)
+    prompts = [llm.encode(" ".join(f"item{7 * j + i}" for j in range(n))
+                          + " Summarize the list.")
+               for i, n in ((0, 13), (1, 12), (3, 14), (2, 15))]
+    assert len(prompts[-1]) % llm.engine.block_size == 1
+    # each sampled token's log-probability and the best two: they move with any change
+    # in the logits, where a greedy token needs a near tie to change
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    alone = [run_logged(llm, [p], params)[0][0] for p in prompts]
+    assert [len(p) > 16 for p in prompts] == [True] * 4  # beyond the kernel's prompt rows
+    split = make_llm(smollm_path, dtype="bfloat16", budget=72)
+    assert run_logged(split, prompts, params)[0] == alone
+    assert max(split.engine.stats.tokens_per_step) <= 72 < sum(map(len, prompts))
+    # the same prompts again: all but their last partial block cached
+    again, reqs = run_logged(split, prompts, params)
+    assert [r.num_cached_tokens for r in reqs] == [len(p) // 16 * 16 for p in prompts]
+    assert again == alone
+    tight = make_llm(smollm_path, dtype="bfloat16", num_blocks=10)
+    assert run_logged(tight, prompts, params)[0] == alone
+    assert tight.engine.stats.preemptions > 0
 
 
 @pytest.mark.parametrize("cpu_path", ["native", "native-avx2"], indirect=True)

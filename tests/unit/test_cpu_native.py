@@ -94,20 +94,24 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
 @pytest.mark.parametrize("offsets", [True, False])  # False, two planes: Q8_0's one-pass path
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("group", [32, 16])
+# 128: fewer groups than a tile's rows take at one row on AMX; 576: two blocks of 8 and 2 more
+@pytest.mark.parametrize("cols", [128, 576])
 def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int,
-                                                        planes: int, offsets: bool) -> None:
-    w = packed(320, 128, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
-    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+                                                        planes: int, offsets: bool,
+                                                        cols: int) -> None:
+    # AMX: one row takes its own tile layout (its groups in the rows of the tiles), batches
+    # the usual one; both must give the same bits
+    w = packed(320, cols, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
     batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, planes)
+    bf16_close(batched, cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 320, planes),
+               atol=1e-5 * float(batched.float().abs().max()))
     for i in range(20):
         pair = cpu_int4.int4_mm(x[[i, 19 - i if i != 19 - i else 0]], w.packed, w.scales_zeros,
                                 320, planes)
         assert torch.equal(pair[0], batched[i])
         alone = cpu_int4.int4_mm(x[i:i + 1], w.packed, w.scales_zeros, 320, planes)[0]
-        if matmul_path == "avx512" or group == 16:  # AMX takes groups of 32 only
-            assert torch.equal(alone, batched[i])
-        else:  # one row runs on AVX-512: equal up to fp32 rounding
-            bf16_close(alone, batched[i])
+        assert torch.equal(alone, batched[i])
 
 
 def test_int4_mm_a_prompts_rows_equal_the_rows_alone() -> None:

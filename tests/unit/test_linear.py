@@ -10,7 +10,7 @@ from localllm.backends.cpu import CpuBackend, dispatch, packing, weights
 from localllm.backends.cpu.dispatch import decode_rows, step_rows
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuPackedWeight
-from localllm.kernels import cpu_int4, cpu_native
+from localllm.kernels import cpu_int4
 from localllm.layers.activation import silu_and_mul
 from localllm.layers.linear import Linear, QuantLinear, fuse_linears, row_source
 from localllm.quant.formats import Int4Weight, Int8Weight, pack_nibbles
@@ -102,20 +102,13 @@ def quantized_linear_and_rows(kind: str, rows: int,
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_a_row_gets_the_same_result_alone_or_batched(kind: str, cpu_path: str) -> None:
-    # decode results must not depend on how many requests share the step (AMX, opt-in, trades
-    # this for batch speed: test_cpu_native.py covers it)
+    # decode results must not depend on how many requests share the step (on AMX tiles too:
+    # "native" where the CPU has them)
     lin, x = quantized_linear_and_rows(kind, 8, seed=2)
-    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
-    if amx:
-        cpu_native.set_amx(False)  # LOCALLLM_AMX=1 in the environment
-    try:
-        with decode_rows(8):  # as the model marks a step's decoding rows
-            batched = lin(x)
-        for i in range(8):
-            assert torch.equal(lin(x[i:i + 1])[0], batched[i])
-    finally:
-        if amx:
-            cpu_native.set_amx(True)
+    with decode_rows(8):  # as the model marks a step's decoding rows
+        batched = lin(x)
+    for i in range(8):
+        assert torch.equal(lin(x[i:i + 1])[0], batched[i])
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
@@ -125,18 +118,11 @@ def test_a_short_prompt_beside_decoding_rows_gets_its_result_alone(kind: str,
     # take the path their own count picks, so a request's prefill does not depend on who
     # decodes in its step
     lin, x = quantized_linear_and_rows(kind, 20, seed=4)
-    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
-    if amx:
-        cpu_native.set_amx(False)
-    try:
-        with decode_rows(8):
-            mixed = lin(x)
-        assert torch.equal(mixed[8:], lin(x[8:]))
-        with decode_rows(8):
-            assert torch.equal(mixed[:8], lin(x[:8]))
-    finally:
-        if amx:
-            cpu_native.set_amx(True)
+    with decode_rows(8):
+        mixed = lin(x)
+    assert torch.equal(mixed[8:], lin(x[8:]))
+    with decode_rows(8):
+        assert torch.equal(mixed[:8], lin(x[:8]))
 
 
 def test_pack_tiles_is_pytorchs_int4_packed_layout() -> None:
@@ -277,23 +263,16 @@ def test_a_prompt_row_gets_one_result_however_its_steps_split_it(kind: str,
     # decoding rows and a short prompt, or as a 2-row tail after a cached prefix
     lin, x = quantized_linear_and_rows(kind, 60, seed=7)
     _, other = quantized_linear_and_rows(kind, 12, seed=8)  # 3 decoding rows, a 9-row prompt
-    amx = cpu_path.startswith("native") and cpu_native.amx_enabled()
-    if amx:
-        cpu_native.set_amx(False)
-    try:
-        with step_rows(((60, 60),)):
-            whole = lin(x)
-        with step_rows(((3, 0), (40, 60), (9, 9))):
-            first = lin(torch.cat((other[:3], x[:40], other[3:])))
-        with step_rows(((20, 60),)):
-            rest = lin(x[40:])
-        with step_rows(((1, 0), (2, 60))):
-            tail = lin(torch.cat((other[:1], x[58:])))
-        with step_rows(((9, 9),)):
-            short = lin(other[3:])
-    finally:
-        if amx:
-            cpu_native.set_amx(True)
+    with step_rows(((60, 60),)):
+        whole = lin(x)
+    with step_rows(((3, 0), (40, 60), (9, 9))):
+        first = lin(torch.cat((other[:3], x[:40], other[3:])))
+    with step_rows(((20, 60),)):
+        rest = lin(x[40:])
+    with step_rows(((1, 0), (2, 60))):
+        tail = lin(torch.cat((other[:1], x[58:])))
+    with step_rows(((9, 9),)):
+        short = lin(other[3:])
     assert torch.equal(first[3:43], whole[:40]) and torch.equal(rest, whole[40:])
     assert torch.equal(tail[1:], whole[58:])
     assert torch.equal(first[43:], short)
