@@ -297,7 +297,8 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     depth = f" @ d{args.decode_depth}" if args.decode_depth else ""
     print(f"model {path.name}, {args.threads} threads, pp{args.prompt_tokens} / "
-          f"tg{args.decode_tokens}{depth}, native kernels: {cpu_native.isa() or 'off'}",
+          f"tg{args.decode_tokens}{depth}, native kernels: {cpu_native.isa() or 'off'}"
+          f"{' (AMX decode)' if cpu_native.amx_enabled() else ''}",
           file=sys.stderr)
     bandwidth = ReadBandwidth(args.bandwidth_mib, args.threads) if args.bandwidth_mib else None
     try:
@@ -362,7 +363,7 @@ def main() -> None:
           f"(library code touched on first use) {ours['file_pages_above_baseline_mib']:.0f} MiB")
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
-                "native_isa": cpu_native.isa(),
+                "native_isa": cpu_native.isa(), "amx_decode": cpu_native.amx_enabled(),
                 "cpus": torch.get_num_threads(), "torch": torch.__version__,
                 "python": platform.python_version(), "model": path.name,
                 "decode_depth": args.decode_depth}

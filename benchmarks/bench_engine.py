@@ -274,7 +274,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "model": path.name, "dtype": args.dtype, "threads": args.threads,
             "cpu": cpu_model(), "native_isa": cpu_native.isa(),
-            "sessions": args.sessions, "decode_tokens": args.decode_tokens,
+            "amx_decode": cpu_native.amx_enabled(), "sessions": args.sessions,
+            "decode_tokens": args.decode_tokens,
             "decode_1_tok_s": one, "decode_n_tok_s": many, "decode_ratio": many / one,
             "chat_decode_1_tok_s": chat_one, "chat_decode_n_tok_s": chat_many,
             "ttft_cold_s": cold, "ttft_cached_s": warm, "ttft_ratio": cold / warm,

@@ -16,7 +16,10 @@ the AVX2 build) or `torch` (PyTorch's int4 kernel), or `any` for weights only Py
 kernel takes. The
 kind is, on the native machines, `codes` (groups of 32 without a codebook: AMX tiles read
 their codes directly) or `other`; on `torch`, the planes (PyTorch's kernel runs them one at a
-time, so two-plane weights leave it at half the rows); `int8 per channel` on `any`.
+time, so two-plane weights leave it at half the rows); `int8 per channel` on `any`. With AMX
+decode on (`cpu_native.amx_enabled`, the default where the CPU has AMX) the few-rows kernel
+itself takes the tiles for `codes` weights, so there KERNEL and TILES give the same bits; the
+figures below are the AVX-512 kernel's.
 Measured on the default model, 2 cores:
 
 - native kernel on the 3072x576 gate/up weight: 205 us at 8 rows, 395 us at 16, 578 us at 24
