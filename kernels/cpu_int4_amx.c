@@ -140,58 +140,70 @@ static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     }
 }
 
-/* ---- one row of x: its groups in the rows of C ----
+/* ---- up to 8 rows of x: their groups in the rows of C ----
  *
- * One row of x on amx_tiles' path stores its four C tiles after every group, and a tile
- * store waits for the tile multiplies before it and holds back the vector code after it (the
- * unpacking of the next group): 98 ns a group and tile on one core, against 77 on AVX-512.
- * Here group g's TDPBF16PS takes an A tile whose row g % ROW_GROUPS is x's group g and whose
- * other rows are zero, so that C row g % ROW_GROUPS gets exactly the sum amx_tiles' C would
- * (the other groups' multiplies add zero products to it), and the four C tiles are stored
- * once every ROW_GROUPS groups: about 80 ns. The epilogue then takes the groups in order, so
- * every output is the one amx_tiles computes, bit for bit.
+ * amx_tiles stores its four C tiles after every group, and a tile store waits for the tile
+ * multiplies before it and holds back the vector code after it (the unpacking of the next
+ * group): at one row 98 ns a group and tile on one core, against 77 on AVX-512. Here R groups
+ * share the C tiles (groups_shared: 8 for one or two rows, 2 for eight): group g's TDPBF16PS
+ * takes an A tile of R M rows whose rows (g % R) M .. + M - 1 hold x's M rows over the
+ * group's columns and whose other rows are zero, so that those rows of C get exactly the sums
+ * amx_tiles' C would (the other groups' multiplies add zero products to them), and C is
+ * stored once every R groups: one row about 80 ns, and 2 and 4 rows' matmuls 0.8x
+ * amx_tiles' time. The epilogue then takes the groups in order, so every output is the one
+ * amx_tiles computes, bit for bit.
  *
- * The A tiles come from a thread's own buffer of 64-byte cells: x's group g in cell
- * ROW_GROUPS - 1 + ROW_GROUPS g, zeros in the ROW_GROUPS - 1 cells between, so the 16-row A
- * tile from cell ROW_GROUPS - 1 + ROW_GROUPS g - (g % ROW_GROUPS) has x's group in row
- * g % ROW_GROUPS alone. The zeros are written once, when the buffer grows; a call writes its
- * groups' cells. */
-#define ROW_GROUPS 8
+ * The A tiles come from a thread's buffer of 64-byte cells for each row count M: x's M rows
+ * of group g in cells (R - 1) M + g R M .. + M - 1, zeros in the (R - 1) M cells between, so
+ * the A tile from cell (R - 1) M + g R M - (g % R) M has them in rows (g % R) M .. alone. The
+ * zeros are written once, when a buffer grows; a call writes its groups' cells. */
+#define ROW_GROUPS 8 /* groups a C tile takes at most */
+#define GROUP_ROWS 8 /* rows of x that take this path at most (amx_tiles beyond) */
 
-static __thread uint16_t *row_cells = NULL; /* the buffer above, bf16 [cells][32] */
-static __thread int64_t row_cells_groups = 0;  /* the groups it has room for */
+/* groups sharing the C tiles for M rows of x: as many as fill AMX_ROWS rows, up to 8 */
+static inline int64_t groups_shared(int64_t M) {
+    return AMX_ROWS / M < ROW_GROUPS ? AMX_ROWS / M : ROW_GROUPS;
+}
 
-/* The calling thread's buffer with x's groups in place, or NULL if out of memory */
-static const uint16_t *row_groups(const uint16_t *x, int64_t K, int64_t groups) {
-    if (row_cells_groups < groups) {
-        const size_t bytes = (size_t)((groups + 1) * ROW_GROUPS * 64);
+static __thread uint16_t *row_cells[GROUP_ROWS]; /* [M - 1]: the buffer above, bf16 [][32] */
+static __thread int64_t row_cells_groups[GROUP_ROWS]; /* the groups each has room for */
+
+/* The calling thread's buffer for M rows with x's groups in place, or NULL if out of memory */
+static const uint16_t *row_groups(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                                  int64_t groups) {
+    const int64_t R = groups_shared(M);
+    if (row_cells_groups[M - 1] < groups) {
+        const size_t bytes = (size_t)((groups + 1) * R * M * 64);
         uint16_t *cells = aligned_alloc(64, bytes);
         if (!cells) return NULL;
         memset(cells, 0, bytes);
-        free(row_cells);
-        row_cells = cells;
-        row_cells_groups = groups;
+        free(row_cells[M - 1]);
+        row_cells[M - 1] = cells;
+        row_cells_groups[M - 1] = groups;
     }
+    uint16_t *cells = row_cells[M - 1];
     for (int64_t g = 0; g < groups; g++) {
         const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0); /* plane 1 reads x again */
-        memcpy(row_cells + (ROW_GROUPS - 1 + g * ROW_GROUPS) * 32, x + kx, 64);
+        for (int64_t m = 0; m < M; m++)
+            memcpy(cells + ((R - 1) * M + g * R * M + m) * 32, x + m * ldx + kx, 64);
     }
-    return row_cells;
+    return cells;
 }
 
-/* Tiles u0 .. u1 - 1 for one row of x, its groups in `cells` (row_groups) */
-static void amx_row(const uint16_t *cells, const uint8_t *packed, const Scales *sz, int64_t N,
-                    int64_t groups, const float *xsum, uint16_t *y, int64_t u0, int64_t u1) {
-    const int64_t tile_bytes = groups * GROUP * 32;
+/* Tiles u0 .. u1 - 1 for M <= GROUP_ROWS rows of x, their groups in `cells` (row_groups) */
+static void amx_rows(const uint16_t *cells, int64_t M, const uint8_t *packed, const Scales *sz,
+                     int64_t N, int64_t groups, const float *xsum, uint16_t *y, int64_t ldy,
+                     int64_t u0, int64_t u1) {
+    const int64_t tile_bytes = groups * GROUP * 32, R = groups_shared(M);
     uint16_t bt[2][4][16][32] __attribute__((aligned(64))); /* two groups' B tiles */
     float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
-    float acc[TILE] __attribute__((aligned(64)));
-    amx_config(ROW_GROUPS);
+    float acc[GROUP_ROWS][TILE] __attribute__((aligned(64)));
+    amx_config(R * M);
     for (int64_t t = u0; t < u1; t++) {
         const uint8_t *tile = packed + t * tile_bytes;
-        memset(acc, 0, sizeof acc);
-        for (int64_t g0 = 0; g0 < groups; g0 += ROW_GROUPS) {
-            const int64_t ng = groups - g0 < ROW_GROUPS ? groups - g0 : ROW_GROUPS;
+        memset(acc, 0, sizeof(float) * (size_t)(M * TILE));
+        for (int64_t g0 = 0; g0 < groups; g0 += R) {
+            const int64_t ng = groups - g0 < R ? groups - g0 : R;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -200,15 +212,17 @@ static void amx_row(const uint16_t *cells, const uint8_t *packed, const Scales *
                 const int64_t g = g0 + j;
                 uint16_t(*b)[16][32] = bt[j % 2];
                 unpack_group(tile + g * GROUP * 32, b);
-                _tile_loadd(4, cells + (ROW_GROUPS - 1 + g * ROW_GROUPS - j) * 32, 64);
+                _tile_loadd(4, cells + ((R - 1) * M + g * R * M - j * M) * 32, 64);
                 group_products(b);
             }
             store_sums(ct);
             for (int64_t j = 0; j < ng; j++)
-                add_group(sz, g0 + j, t * TILE, 1, xsum + g0 + j, groups, ct, j, acc);
+                add_group(sz, g0 + j, t * TILE, M, xsum + g0 + j, groups, ct, j * M, acc[0]);
         }
         const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-        for (int64_t r = 0; r < rows; r += 16) store_floats_bf16(acc + r, y + n0 + r, rows - r);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t r = 0; r < rows; r += 16)
+                store_floats_bf16(acc[m] + r, y + m * ldy + n0 + r, rows - r);
     }
 }
 
@@ -219,11 +233,12 @@ static void amx_share(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       int64_t *ranges, int64_t nth, int64_t id, int held) {
     Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
     int64_t u0, u1;
-    /* one row: amx_row's path where the buffer can be had (else amx_tiles': the same bits) */
-    const uint16_t *cells = M == 1 ? row_groups(x, K, groups) : NULL;
+    /* up to 8 rows: amx_rows' path where its buffer can be had (else amx_tiles': the same
+     * bits) */
+    const uint16_t *cells = M <= GROUP_ROWS ? row_groups(x, M, K, ldx, groups) : NULL;
     while (share_next(&share, &u0, &u1))
         if (cells)
-            amx_row(cells, packed, sz, N, groups, xsum, y, u0, u1);
+            amx_rows(cells, M, packed, sz, N, groups, xsum, y, ldy, u0, u1);
         else
             amx_tiles(x, M, K, ldx, packed, sz, N, groups, xsum, y, ldy, u0, u1);
     if (!held) int4_tiles_release();
