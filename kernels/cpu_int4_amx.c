@@ -105,8 +105,8 @@ static inline __attribute__((always_inline)) void add_group(
     }
 }
 
-/* Tiles u0 .. u1 - 1 for the M rows of x (operands of int4_mm_amx), on the calling thread;
- */
+/* Tiles u0 .. u1 - 1 for the M rows of x (operands of int4_mm_amx), on the calling thread,
+ * each group's sums stored after it */
 static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       const uint8_t *packed, const Scales *sz, int64_t N, int64_t groups,
                       const float *xsum, uint16_t *y, int64_t ldy, int64_t u0, int64_t u1) {
