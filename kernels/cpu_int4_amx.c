@@ -105,60 +105,25 @@ static inline __attribute__((always_inline)) void add_group(
     }
 }
 
-/* Tiles u0 .. u1 - 1 for the M rows of x (operands of int4_mm_amx), on the calling thread,
- * each group's sums stored after it */
-static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
-                      const uint8_t *packed, const Scales *sz, int64_t N, int64_t groups,
-                      const float *xsum, uint16_t *y, int64_t ldy, int64_t u0, int64_t u1) {
-    const int64_t tile_bytes = groups * GROUP * 32;
-    uint16_t bt[4][16][32] __attribute__((aligned(64)));
-    float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
-    float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
-    for (int64_t t = u0; t < u1; t++) {
-        const uint8_t *tile = packed + t * tile_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-            const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-            amx_config(mr);
-            memset(acc, 0, sizeof(float) * (size_t)(mr * TILE));
-            for (int64_t g = 0; g < groups; g++) {
-                unpack_group(tile + g * GROUP * 32, bt);
-                const int64_t kx = g * GROUP - (g * GROUP >= K ? K : 0);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_loadd(4, x + m0 * ldx + kx, ldx * 2);
-                group_products(bt);
-                store_sums(ct);
-                add_group(sz, g, t * TILE, mr, xsum + m0 * groups + g, groups, ct, 0, acc[0]);
-            }
-            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-            for (int64_t m = 0; m < mr; m++)
-                for (int64_t r = 0; r < rows; r += 16)
-                    store_floats_bf16(acc[m] + r, y + (m0 + m) * ldy + n0 + r, rows - r);
-        }
-    }
-}
-
 /* ---- up to 8 rows of x: their groups in the rows of C ----
  *
- * amx_tiles stores its four C tiles after every group, and a tile store waits for the tile
- * multiplies before it and holds back the vector code after it (the unpacking of the next
- * group): at one row 98 ns a group and tile on one core, against 77 on AVX-512. Here R groups
- * share the C tiles (groups_shared: 8 for one or two rows, 2 for eight): group g's TDPBF16PS
- * takes an A tile of R M rows whose rows (g % R) M .. + M - 1 hold x's M rows over the
- * group's columns and whose other rows are zero, so that those rows of C get exactly the sums
- * amx_tiles' C would (the other groups' multiplies add zero products to them), and C is
- * stored once every R groups: one row about 80 ns, and 2 and 4 rows' matmuls 0.8x
- * amx_tiles' time. The epilogue then takes the groups in order, so every output is the one
- * amx_tiles computes, bit for bit.
+ * With one group to a C tile, the four C tiles are stored after every group, and a tile store
+ * waits for the tile multiplies before it and holds back the vector code after it (the
+ * unpacking of the next group): at one row 98 ns a group and tile on one core, against 77 on
+ * AVX-512. Here R groups share the C tiles (groups_shared: 8 for one or two rows, 2 for
+ * eight): group g's TDPBF16PS takes an A tile of R M rows whose rows (g % R) M .. + M - 1 hold
+ * x's M rows over the group's columns and whose other rows are zero, so that those rows of C
+ * get exactly the sums a C tile of the group alone would (the other groups' multiplies add
+ * zero products to them), and C is stored once every R groups: one row about 80 ns, and 2 and
+ * 4 rows' matmuls 0.8x the time of one group to a C tile. The epilogue then takes the groups
+ * in order, so every output has the same bits either way.
  *
  * The A tiles come from a thread's buffer of 64-byte cells for each row count M: x's M rows
  * of group g in cells (R - 1) M + g R M .. + M - 1, zeros in the (R - 1) M cells between, so
  * the A tile from cell (R - 1) M + g R M - (g % R) M has them in rows (g % R) M .. alone. The
  * zeros are written once, when a buffer grows; a call writes its groups' cells. */
 #define ROW_GROUPS 8 /* groups a C tile takes at most */
-#define GROUP_ROWS 8 /* rows of x that take this path at most (amx_tiles beyond) */
+#define GROUP_ROWS 8 /* rows of x that take this path at most (one group to a C beyond) */
 
 /* groups sharing the C tiles for M rows of x: as many as fill AMX_ROWS rows, up to 8 */
 static inline int64_t groups_shared(int64_t M) {
@@ -190,39 +155,63 @@ static const uint16_t *row_groups(const uint16_t *x, int64_t M, int64_t K, int64
     return cells;
 }
 
-/* Tiles u0 .. u1 - 1 for M <= GROUP_ROWS rows of x, their groups in `cells` (row_groups) */
-static void amx_rows(const uint16_t *cells, int64_t M, const uint8_t *packed, const Scales *sz,
-                     int64_t N, int64_t groups, const float *xsum, uint16_t *y, int64_t ldy,
-                     int64_t u0, int64_t u1) {
-    const int64_t tile_bytes = groups * GROUP * 32, R = groups_shared(M);
+/* One 64-row tile (its codes at `tile`, its rows from row0) for M <= AMX_ROWS rows of x, R
+ * groups to a C tile: with `cells` (row_groups' buffer for these M rows), R = groups_shared(M);
+ * without, R = 1 and the A tiles are x's rows themselves (ldx apart; plane 1 reads x again).
+ * xs: the rows' group sums ([M][groups]); y: their outputs, ldy apart. */
+static void tile_sums(const uint8_t *tile, int64_t row0, const uint16_t *x, int64_t ldx,
+                      int64_t K, const uint16_t *cells, int64_t M, int64_t R, const Scales *sz,
+                      int64_t N, int64_t groups, const float *xs, uint16_t *y, int64_t ldy) {
     uint16_t bt[2][4][16][32] __attribute__((aligned(64))); /* two groups' B tiles */
     float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
-    float acc[GROUP_ROWS][TILE] __attribute__((aligned(64)));
+    float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
     amx_config(R * M);
+    memset(acc, 0, sizeof(float) * (size_t)(M * TILE));
+    for (int64_t g0 = 0; g0 < groups; g0 += R) {
+        const int64_t ng = groups - g0 < R ? groups - g0 : R;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < ng; j++) {
+            const int64_t g = g0 + j, kx = g * GROUP - (g * GROUP >= K ? K : 0);
+            uint16_t(*b)[16][32] = bt[j % 2];
+            unpack_group(tile + g * GROUP * 32, b);
+            if (cells)
+                _tile_loadd(4, cells + ((R - 1) * M + g * R * M - j * M) * 32, 64);
+            else
+                _tile_loadd(4, x + kx, ldx * 2);
+            group_products(b);
+        }
+        store_sums(ct);
+        for (int64_t j = 0; j < ng; j++)
+            add_group(sz, g0 + j, row0, M, xs + g0 + j, groups, ct, j * M, acc[0]);
+    }
+    const int64_t rows = N - row0 < TILE ? N - row0 : TILE;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = 0; r < rows; r += 16)
+            store_floats_bf16(acc[m] + r, y + m * ldy + row0 + r, rows - r);
+}
+
+/* Tiles u0 .. u1 - 1 for the M rows of x (operands of int4_mm_amx): with `cells` (M <=
+ * GROUP_ROWS), groups_shared(M) groups to a C tile; else blocks of AMX_ROWS rows, each
+ * group's sums stored after it */
+static void amx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                      const uint16_t *cells, const uint8_t *packed, const Scales *sz, int64_t N,
+                      int64_t groups, const float *xsum, uint16_t *y, int64_t ldy, int64_t u0,
+                      int64_t u1) {
+    const int64_t tile_bytes = groups * GROUP * 32;
     for (int64_t t = u0; t < u1; t++) {
         const uint8_t *tile = packed + t * tile_bytes;
-        memset(acc, 0, sizeof(float) * (size_t)(M * TILE));
-        for (int64_t g0 = 0; g0 < groups; g0 += R) {
-            const int64_t ng = groups - g0 < R ? groups - g0 : R;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t j = 0; j < ng; j++) {
-                const int64_t g = g0 + j;
-                uint16_t(*b)[16][32] = bt[j % 2];
-                unpack_group(tile + g * GROUP * 32, b);
-                _tile_loadd(4, cells + ((R - 1) * M + g * R * M - j * M) * 32, 64);
-                group_products(b);
-            }
-            store_sums(ct);
-            for (int64_t j = 0; j < ng; j++)
-                add_group(sz, g0 + j, t * TILE, M, xsum + g0 + j, groups, ct, j * M, acc[0]);
+        if (cells) {
+            tile_sums(tile, t * TILE, x, ldx, K, cells, M, groups_shared(M), sz, N, groups,
+                      xsum, y, ldy);
+            continue;
         }
-        const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t r = 0; r < rows; r += 16)
-                store_floats_bf16(acc[m] + r, y + m * ldy + n0 + r, rows - r);
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS)
+            tile_sums(tile, t * TILE, x + m0 * ldx, ldx, K, NULL,
+                      M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS, 1, sz, N, groups,
+                      xsum + m0 * groups, y + m0 * ldy, ldy);
     }
 }
 
@@ -233,14 +222,11 @@ static void amx_share(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       int64_t *ranges, int64_t nth, int64_t id, int held) {
     Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
     int64_t u0, u1;
-    /* up to 8 rows: amx_rows' path where its buffer can be had (else amx_tiles': the same
-     * bits) */
+    /* up to 8 rows: their groups in the rows of C where the buffer can be had (else one
+     * group to a C tile: the same bits) */
     const uint16_t *cells = M <= GROUP_ROWS ? row_groups(x, M, K, ldx, groups) : NULL;
     while (share_next(&share, &u0, &u1))
-        if (cells)
-            amx_rows(cells, M, packed, sz, N, groups, xsum, y, ldy, u0, u1);
-        else
-            amx_tiles(x, M, K, ldx, packed, sz, N, groups, xsum, y, ldy, u0, u1);
+        amx_tiles(x, M, K, ldx, cells, packed, sz, N, groups, xsum, y, ldy, u0, u1);
     if (!held) int4_tiles_release();
 }
 

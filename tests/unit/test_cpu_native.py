@@ -99,8 +99,8 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
 def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int,
                                                         planes: int, offsets: bool,
                                                         cols: int) -> None:
-    # AMX: one row takes its own tile layout (its groups in the rows of the tiles), batches
-    # the usual one; both must give the same bits
+    # AMX: one and two rows put several groups in the rows of the C tiles, the 20-row batch one
+    # group to a C tile; all must give the same bits
     w = packed(320, cols, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
     batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, planes)
