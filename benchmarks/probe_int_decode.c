@@ -53,6 +53,7 @@ static uint16_t SZ[G][N][2] __attribute__((aligned(64))); /* bf16 (scale, zero):
 static float S[G][N], ZZ[G][N];                           /* the integer epilogue's */
 static int16_t V[MAXM][K];                                /* x's rows as integers */
 static float SX[MAXM][G];
+static uint8_t XH[K], XL[K];                              /* row 0's planes: v >> 8, v & 255 */
 static int32_t REF[MAXM][N][G], OUT[MAXM][N][G];
 static float Y[MAXM][N];
 static uint8_t QIDX[2][64] __attribute__((aligned(64)));  /* quads' vpermt2b indices */
@@ -110,11 +111,9 @@ static void vnni_planes(int check) {
                 _mm_prefetch((const char *)&W[t][k][0] + 4096 + 64, _MM_HINT_T1);
                 __m512i b[4];
                 quads(&W[t][k][0], b);
-                int32_t qh = 0, ql = 0;
-                for (int i = 0; i < 4; i++) {
-                    qh |= (int32_t)(uint8_t)(V[0][k + i] >> 8) << (8 * i);
-                    ql |= (int32_t)(uint8_t)(V[0][k + i] & 255) << (8 * i);
-                }
+                int32_t qh, ql;
+                memcpy(&qh, XH + k, 4);
+                memcpy(&ql, XL + k, 4);
                 const __m512i bh = _mm512_set1_epi32(qh), bl = _mm512_set1_epi32(ql);
                 for (int r = 0; r < 4; r++) {
                     ah[r] = _mm512_dpbusd_epi32(ah[r], b[r], bh);
@@ -323,6 +322,7 @@ int main(int argc, char **argv) {
         }
         for (int g = 0; g < G; g++) SX[m][g] = 1.0f / 32768.0f;
     }
+    for (int k = 0; k < K; k++) XH[k] = (uint8_t)(V[0][k] >> 8), XL[k] = (uint8_t)(V[0][k] & 255);
     for (int m = 0; m < MAXM; m++)
         for (int n = 0; n < N; n++)
             for (int g = 0; g < G; g++) {
