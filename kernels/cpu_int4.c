@@ -39,8 +39,9 @@ int int4_amx_enable(int on) {
     return amx_enabled;
 }
 
-/* int4_mm (operands in cpu_kernels.h): the sum of x over each group of columns, then the AMX
- * path where `amx` is set and the weight has groups of 32 without a codebook, else AVX-512.
+/* int4_mm (operands in cpu_kernels.h): the AMX path where `amx` is set and the weight has
+ * groups of 32 without a codebook, else the integer path for any weight without a codebook,
+ * else (codebooks) the sum of x over each group of columns and AVX-512 BF16 dot products.
  * lut: NULL (weights (c - 8) s + z) or a codebook's 32 bf16 values hi | lo (weights
  * (hi[c] + lo[c]) s + z; see cpu_int4.h). Returns 0, -1 if out of memory, -2 for another
  * group size. */
@@ -51,10 +52,12 @@ static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
+    if (!lut && !(amx && gs == GROUP))
+        return int4_mm_vnni(x, M, K, ldx, packed, sz, N, n_pad, K2, y, ldy, gs, claim);
     float room[XSUM_ROOM];
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
-    if (amx && gs == GROUP && !lut)
+    if (!lut)
         int4_mm_amx(x, M, K, ldx, packed, sz, N, n_pad, groups, xsum, y, ldy, claim);
     else
         int4_mm_avx512(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, gs, lut, claim);

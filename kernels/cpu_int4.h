@@ -1,4 +1,4 @@
-/* Internal to the int4 kernel files (cpu_int4.c, cpu_int4_avx512.c, cpu_int4_u8.c,
+/* Internal to the int4 kernel files (cpu_int4.c, cpu_int4_avx512.c, cpu_int4_vnni.c,
  * cpu_int4_amx.c, cpu_int4_dequant.c): the packed weight layout, the helpers that unpack its
  * nibbles and read its scales, and the tile paths that int4_mm chooses between.
  *
@@ -128,19 +128,20 @@ static inline __attribute__((always_inline)) void tile_column(
  * Hidden: they are not part of the library's exported API (cpu_kernels.h). */
 #define INT4_INTERNAL __attribute__((visibility("hidden")))
 
-/* AVX-512 BF16, groups of gs = 32 or 16 columns, any codebook `lut` (cpu_int4_avx512.c) */
+/* AVX-512 BF16, groups of gs = 32 or 16 columns, a codebook `lut` (cpu_int4_avx512.c) */
 INT4_INTERNAL void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                   const uint8_t *packed, const Scales *sz, int64_t N,
                                   int64_t n_pad, int64_t K2, const float *xsum, uint16_t *y,
                                   int64_t ldy, int64_t gs, const uint16_t *lut,
                                   int64_t *claim);
 
-/* AVX-512 BF16, a grouped int8 weight with fp16 scales (two planes, `half`; no codebook):
- * both planes in one product per weight (cpu_int4_u8.c) */
-INT4_INTERNAL void int4_mm_u8(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
-                              const uint8_t *packed, const Scales *sz, int64_t N, int64_t n_pad,
-                              const float *xsum, uint16_t *y, int64_t ldy, int64_t gs,
-                              int64_t *claim);
+/* VNNI integer products, groups of gs = 32 or 16 columns without a codebook: x rounded per
+ * group to 16-bit integers as the AVX2 build rounds it, exact integer sums, the same bits as
+ * the AVX2 build (cpu_int4_vnni.c); 0, or -1 if out of memory. Needs no xsum. */
+INT4_INTERNAL int int4_mm_vnni(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                               const uint8_t *packed, const Scales *sz, int64_t N,
+                               int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy, int64_t gs,
+                               int64_t *claim);
 
 /* AMX tiles, groups of GROUP columns without a codebook; the caller holds the OS's
  * permission (int4_gemm_ready) (cpu_int4_amx.c) */

@@ -1,4 +1,5 @@
-/* The few-rows path of int4_mm on AVX-512 BF16 (layout and formula: cpu_int4.h).
+/* The few-rows path of int4_mm for codebook weights (IQ4_NL, IQ4_XS, NF4) on AVX-512 BF16
+ * (layout and formula: cpu_int4.h; weights without a codebook take cpu_int4_vnni.c).
  *
  * One 64-byte load holds columns k and k+1 of a 64-row tile. Each nibble c becomes the bf16
  * number 128 + c (bits 0x4300 | c: exact), laid out as (k, k+1) pairs per row, so that
@@ -71,8 +72,6 @@
         half8_lo_##gs##_##terms, half8_hi_##gs##_##terms};
 
 typedef void (*RowPath)(PATH_ARGS);
-ROW_PATHS(32, 0)
-ROW_PATHS(16, 0)
 ROW_PATHS(32, 1)
 ROW_PATHS(16, 1)
 ROW_PATHS(32, 2)
@@ -81,7 +80,6 @@ ROW_PATHS(16, 2)
 /* the paths of one (group size, codebook terms): 8 rows, 4, two tiles of 1, 2, 1; then half
  * tiles: 1 row low half, high half, 2 rows low, high, 8 rows low, high */
 static inline const RowPath *row_paths(const int GS, const int USE_LUT) {
-    if (USE_LUT == 0) return GS == 32 ? paths_32_0 : paths_16_0;
     if (USE_LUT == 1) return GS == 32 ? paths_32_1 : paths_16_1;
     return GS == 32 ? paths_32_2 : paths_16_2;
 }
@@ -177,25 +175,14 @@ static inline __attribute__((always_inline)) void tile_loop(
 void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                     const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, const float *xsum,
                     uint16_t *y, int64_t ldy, int64_t gs, const uint16_t *lut, int64_t *claim) {
-    if (sz->planes == 2 && sz->half && !lut) {
-        int4_mm_u8(x, M, K, ldx, packed, sz, N, n_pad, xsum, y, ldy, gs, claim);
-        return;
-    }
-    const __m512i lutv = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut) : _mm512_setzero_si512();
-    const __m512i lutlo = lut ? _mm512_maskz_loadu_epi16(0xFFFF, lut + 16) : _mm512_setzero_si512();
+    const __m512i lutv = _mm512_maskz_loadu_epi16(0xFFFF, lut);
+    const __m512i lutlo = _mm512_maskz_loadu_epi16(0xFFFF, lut + 16);
     /* a codebook exact in bf16 (lo all zero: 0x0000 or 0x8000) takes one product per weight */
-    const int terms = !lut ? 0
-                      : _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) ? 2 : 1;
-    if (gs == 32 && terms == 0)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 0, lutv, lutlo,
-                  claim);
-    else if (gs == 16 && terms == 0)
-        tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 0, lutv, lutlo,
-                  claim);
-    else if (gs == 32 && terms == 1)
+    const int two = _mm512_test_epi16_mask(lutlo, _mm512_set1_epi16(0x7FFF)) != 0;
+    if (gs == 32 && !two)
         tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 32, 1, lutv, lutlo,
                   claim);
-    else if (gs == 16 && terms == 1)
+    else if (gs == 16 && !two)
         tile_loop(x, M, K, ldx, packed, sz, N, n_pad, K2, xsum, y, ldy, 16, 1, lutv, lutlo,
                   claim);
     else if (gs == 32)

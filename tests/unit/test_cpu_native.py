@@ -114,6 +114,37 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
         assert torch.equal(alone, batched[i])
 
 
+@pytest.mark.parametrize("offsets", [True, False])
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("group", [32, 16])
+def test_int4_mm_gives_the_same_bits_in_both_builds(native_isa: str, group: int, planes: int,
+                                                    offsets: bool) -> None:
+    # without a codebook both builds round x to the same integers and sum them exactly: off
+    # AMX tiles the AVX-512 build (VNNI) gives the AVX2 build's bits, one row or a batch
+    if set(cpu_native.isas_available()) != {"avx512", "avx2"}:
+        pytest.skip("needs a CPU that runs both builds")
+    w = packed(200, 576, planes, group=group, offsets=offsets)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x[3, 40:72] = 0  # a group of zeros
+    x[5, :32] *= 1e-30  # values far below the others (subnormal-sized groups)
+    ys = {}
+    try:
+        for name in ("avx512", "avx2"):
+            cpu_native.set_isa(name)
+            cpu_native.set_amx(False)
+            ys[name] = (cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 200, planes),
+                        cpu_int4.int4_mm(x[7:8], w.packed, w.scales_zeros, 200, planes))
+    finally:
+        cpu_native.set_isa("avx512")
+        cpu_native.set_amx(cpu_native.AMX_DEFAULT)
+        cpu_native.set_isa(native_isa)
+    assert torch.equal(ys["avx512"][0], ys["avx2"][0])
+    assert torch.equal(ys["avx512"][1], ys["avx2"][1])
+    assert torch.equal(ys["avx512"][1][0], ys["avx512"][0][7])
+    bf16_close(ys["avx512"][0], cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 200, planes),
+               atol=1e-5 * float(ys["avx2"][0].float().abs().max()))
+
+
 def test_int4_mm_a_prompts_rows_equal_the_rows_alone() -> None:
     """60 rows of 4096 columns: the AVX2 build takes them in slabs of 24 (their rounded rows
     within 256 KiB); every row matches the reference and its result alone."""
