@@ -1,6 +1,7 @@
 /* Int4 weight-only matmuls on PyTorch's packed int4 CPU layout (cpu_int4.h): int4_mm's choice
- * of path, AVX-512 BF16 (cpu_int4_avx512.c) or, where enabled, AMX tiles for any number of
- * rows (cpu_int4_amx.c), and the OS's permission to use the tiles.
+ * of path, integer products on VNNI and, where enabled, AMX-INT8 tiles (cpu_int4_vnni.c), bf16
+ * AMX tiles for a prompt's rows (cpu_int4_amx.c) or AVX-512 BF16 for codebook weights
+ * (cpu_int4_avx512.c), and the OS's permission to use the tiles.
  * Rows are split across OpenMP threads; this library links the libgomp that PyTorch already
  * loaded (same soname), so it shares PyTorch's thread team and thread count.
  */
@@ -39,21 +40,24 @@ int int4_amx_enable(int on) {
     return amx_enabled;
 }
 
-/* int4_mm (operands in cpu_kernels.h): the AMX path where `amx` is set and the weight has
- * groups of 32 without a codebook, else the integer path for any weight without a codebook,
- * else (codebooks) the sum of x over each group of columns and AVX-512 BF16 dot products.
- * lut: NULL (weights (c - 8) s + z) or a codebook's 32 bf16 values hi | lo (weights
- * (hi[c] + lo[c]) s + z; see cpu_int4.h). Returns 0, -1 if out of memory, -2 for another
- * group size. */
+/* int4_mm (operands in cpu_kernels.h) for decoding rows (prompt = 0) or a prompt's
+ * (prompt = 1). A weight without a codebook takes the integer path (VNNI; with `amx`, batches
+ * of a weight in groups of 32 on AMX-INT8 tiles: the same bits), except a prompt's rows where
+ * `amx` is set and it has groups of 32: the bf16 AMX tiles. A codebook weight takes the sum of
+ * x over each group of columns and AVX-512 BF16 dot products. lut: NULL (weights
+ * (c - 8) s + z) or a codebook's 32 bf16 values hi | lo (weights (hi[c] + lo[c]) s + z; see
+ * cpu_int4.h). Returns 0, -1 if out of memory, -2 for another group size. */
 static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
               int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form, int amx,
-              int64_t *claim) {
+              int prompt, int64_t *claim) {
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
-    if (!lut && !(amx && gs == GROUP))
-        return int4_mm_vnni(x, M, K, ldx, packed, sz, N, n_pad, K2, y, ldy, gs, claim);
+    const int bf16_tiles = prompt && amx && gs == GROUP;
+    if (!lut && !bf16_tiles)
+        return int4_mm_vnni(x, M, K, ldx, packed, sz, N, n_pad, K2, y, ldy, gs,
+                            amx && gs == GROUP, claim);
     float room[XSUM_ROOM];
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
@@ -69,7 +73,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled, NULL);
+              amx_enabled, 0, NULL);
 }
 
 int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -77,7 +81,7 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
                    int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
                    int64_t *claim) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled, claim);
+              amx_enabled, 0, claim);
 }
 
 /* tiles wherever permitted, whatever `amx_enabled` says (which is about decoding rows, whose
@@ -86,5 +90,5 @@ int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_permitted, NULL);
+              amx_permitted, 1, NULL);
 }

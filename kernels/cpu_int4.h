@@ -137,11 +137,17 @@ INT4_INTERNAL void int4_mm_avx512(const uint16_t *x, int64_t M, int64_t K, int64
 
 /* VNNI integer products, groups of gs = 32 or 16 columns without a codebook: x rounded per
  * group to 16-bit integers as the AVX2 build rounds it, exact integer sums, the same bits as
- * the AVX2 build (cpu_int4_vnni.c); 0, or -1 if out of memory. Needs no xsum. */
+ * the AVX2 build; with `amx` (the caller holds the OS's permission), batches of groups of 32
+ * on AMX-INT8 tiles, the same sums (cpu_int4_vnni.c). 0, or -1 if out of memory. */
 INT4_INTERNAL int int4_mm_vnni(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                const uint8_t *packed, const Scales *sz, int64_t N,
                                int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy, int64_t gs,
-                               int64_t *claim);
+                               int amx, int64_t *claim);
+
+/* Configures the calling thread's tiles for A and C tiles of mr rows (tmm0-4) and B tiles of
+ * 16 (tmm5-7), all 64 bytes a row, unless they are already; int4_tiles_release ends it
+ * (cpu_int4_amx.c) */
+INT4_INTERNAL void int4_amx_config(int64_t mr);
 
 /* AMX tiles, groups of GROUP columns without a codebook; the caller holds the OS's
  * permission (int4_gemm_ready) (cpu_int4_amx.c) */

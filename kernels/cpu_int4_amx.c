@@ -20,14 +20,14 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) TileConfig;
 
-/* The row count the calling thread's tiles are configured for (amx_config), 0: none. A kernel
+/* The row count the calling thread's tiles are configured for (int4_amx_config), 0: none. A kernel
  * called by a team's thread (decode_layers') leaves them configured for the next matmul, and
  * the team releases them at the end of its step (int4_tiles_release): configuring and
  * releasing them at every matmul cost about 2 us a call, 6% of a one-row decode step. */
 static __thread int64_t tile_rows = 0;
 
 /* tmm0-3: C for the four 16-row blocks of a tile; tmm4: A (x); tmm5-7: B */
-static void amx_config(int64_t mr) {
+void int4_amx_config(int64_t mr) {
     if (tile_rows == mr) return;
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -36,6 +36,9 @@ static void amx_config(int64_t mr) {
         cfg.colsb[i] = 64;
         cfg.rows[i] = i < 5 ? (uint8_t)mr : 16;
     }
+    /* GCC 12 does not count ldtilecfg as reading cfg: without this, in a function of its own
+     * it dropped the stores of the loop above and loaded an empty configuration */
+    __asm__ volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
     tile_rows = mr;
 }
@@ -165,7 +168,7 @@ static void tile_sums(const uint8_t *tile, int64_t row0, const uint16_t *x, int6
     uint16_t bt[2][4][16][32] __attribute__((aligned(64))); /* two groups' B tiles */
     float ct[4][AMX_ROWS][16] __attribute__((aligned(64)));
     float acc[AMX_ROWS][TILE] __attribute__((aligned(64)));
-    amx_config(R * M);
+    int4_amx_config(R * M);
     memset(acc, 0, sizeof(float) * (size_t)(M * TILE));
     for (int64_t g0 = 0; g0 < groups; g0 += R) {
         const int64_t ng = groups - g0 < R ? groups - g0 : R;
@@ -344,7 +347,7 @@ int int4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_
                                bt + pair_bytes / sizeof(uint16_t));
                 for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
                     const int64_t mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                    amx_config(mr);
+                    int4_amx_config(mr);
                     const uint16_t *xb = x + m0 * ldx;
                     tile_block(xb, ldx, K, bt, ct);
                     if (!gated) {

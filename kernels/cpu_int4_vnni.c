@@ -13,17 +13,21 @@
  *     H += codes (u8) x h (s8),   L += l (u8) x codes (s8, 0..15),   A = 256 H + L
  * exact in int32 (|A| < 2^24 for a group of 32). One row of x takes a whole tile a pass, its
  * eight sums in registers; more rows take half a tile (two of the four row blocks, one
- * vpermt2b) for up to four rows of x at a time. On a Sapphire Rapids core, with the weight in
- * L2 (benchmarks/probe_int_decode.c), a 64-row tile and group of 32 took 28-31 ns at one row
- * against 61-72 for the bf16 dot products of cpu_int4_avx512.c.
+ * vpermt2b) for up to four rows of x at a time, or with `amx` AMX-INT8 tiles (below).
+ * On the Xeon of benchmarks/README.md (one thread, a 3072 x 576 weight in L2,
+ * benchmarks/probe_int_decode.c), a 64-row tile and group of 32: one row 34-38 ns (the bf16
+ * tiles that ran it before: 65-77 in an earlier run), eight rows 171-191 on VNNI and 112-130
+ * on AMX-INT8 (bf16 tiles 110-114 in the same run).
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_int4.h"
 #include "cpu_int4_xint.h"
+#include "cpu_kernels.h"
 #include "cpu_team.h"
 #include "cpu_simd.h"
 
@@ -124,7 +128,7 @@ static inline __attribute__((always_inline)) void rows_block(BLOCK_ARGS, const i
         __m512i H[4][2], L[4][2];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < 2; i++) H[r][i] = L[r][i] = _mm512_setzero_si512();
-#pragma GCC unroll 2
+#pragma GCC unroll 8
         for (int q = 0; q < GS / 4; q++) {
             __m512i c[2];
             quad_half(gcols + 128 * q, j, &c[0], &c[1]);
@@ -159,10 +163,129 @@ static const RowsBlock ROWS_BLOCKS[2][4] = {
     {rows_block_32_1, rows_block_32_2, rows_block_32_3, rows_block_32_4},
     {rows_block_16_1, rows_block_16_2, rows_block_16_3, rows_block_16_4}};
 
+/* ---- 2 to VNNI_ROWS rows on AMX-INT8 tiles (groups of 32; where int4_mm's amx is on) ----
+ *
+ * The same integer sums H and L by tile multiplies, so the same bits as above. A pair of
+ * groups (64 columns) of a 64-row tile is four B tiles, one per row block: B row kq (of 16)
+ * holds quad kq's 16 rows x 4 codes (u8), as quad_half makes them. x's rows are A tiles of
+ * 2 mc rows x 64 bytes, one for h (TDPBSUD: h signed, codes unsigned) and one for l (TDPBUUD):
+ * row i mc + m holds group 2q + i of row m in bytes 32 i .. 32 i + 31 and zeros in the others,
+ * so that C row i mc + m gets that group's sums alone. Half a tile a pass (C: H and L of two
+ * row blocks), then the epilogue group by group in order. */
+#define PAIR_BYTES (2 * GROUP * 32) /* a pair of groups of a 64-row tile: 64 columns */
+
+/* the A cells of x's rows m0 .. m0 + mc - 1 for every pair q of groups: plane p (0: h, 1: l)
+ * at cells + (2 q + p) * 2 mc * 64 (the layout above; a last odd group's partner rows zero) */
+static void amx_cells(const IntRows *xr, int64_t m0, int64_t mc, int64_t K, int64_t groups,
+                      int64_t per_plane, uint8_t *cells) {
+    for (int64_t q = 0; q < (groups + 1) / 2; q++)
+        for (int p = 0; p < 2; p++)
+            for (int64_t i = 0; i < 2; i++)
+                for (int64_t m = 0; m < mc; m++) {
+                    uint8_t *row = cells + ((2 * q + p) * 2 * mc + i * mc + m) * 64;
+                    memset(row, 0, 64);
+                    if (2 * q + i < groups) {
+                        const int64_t at = (m0 + m) * K + (2 * q + i) % per_plane * GROUP;
+                        memcpy(row + 32 * i, p ? (const void *)(xr->l + at) : xr->h + at, 32);
+                    }
+                }
+}
+static inline size_t amx_cells_bytes(int64_t mc, int64_t groups) {
+    return (size_t)((groups + 1) / 2 * 2 * 2 * mc * 64);
+}
+
+/* Half j of pair q's codes (ng = 1 or 2 groups at p) as two B tiles: bt[0] row block j,
+ * bt[1] row block j + 2 (quad_half's two) */
+static inline __attribute__((always_inline)) void pair_half(const uint8_t *p, int64_t ng,
+                                                            const int j,
+                                                            uint8_t bt[2][16][64]) {
+    for (int64_t kq = 0; kq < 8 * ng; kq++) {
+        if (j == 0 && kq % 2 == 0) { /* the first half streams the weights in */
+            _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES, STREAM_HINT);
+            _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES + 64, STREAM_HINT);
+        }
+        __m512i lo, hi;
+        quad_half(p + 128 * kq, j, &lo, &hi);
+        _mm512_store_si512(bt[0][kq], lo);
+        _mm512_store_si512(bt[1][kq], hi);
+    }
+}
+
+/* Half j (row blocks j and j + 2) of a 64-row tile (codes at `tile`, rows from row0) for MC
+ * (2..VNNI_ROWS) rows of x (their cells; xs, sxr from their first row, per_plane apart) into
+ * out (fp32 [MC][64]), its sums in registers over all the groups */
+static inline __attribute__((always_inline)) void amx_half(
+    const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,
+    int64_t per_plane, const float *xs, const float *sxr, float *out, const int MC,
+    const int j) {
+    /* three pairs' B tiles: the next pair is unpacked before this one's multiplies, since a
+     * tile load of just-stored lines waits for the stores */
+    uint8_t bt[3][2][16][64] __attribute__((aligned(64)));
+    int32_t ct[4][2 * VNNI_ROWS][16] __attribute__((aligned(64)));
+    const int64_t pairs = (groups + 1) / 2;
+    __m512 y[VNNI_ROWS][2];
+    for (int m = 0; m < MC; m++) y[m][0] = y[m][1] = _mm512_setzero_ps();
+    pair_half(tile, groups < 2 ? groups : 2, j, bt[0]);
+    for (int64_t q = 0; q < pairs; q++) {
+        if (q + 1 < pairs)
+            pair_half(tile + (q + 1) * PAIR_BYTES, groups - 2 * (q + 1) < 2 ? 1 : 2, j,
+                      bt[(q + 1) % 3]);
+        const uint8_t *ah = cells + 2 * q * 2 * MC * 64, *al = ah + 2 * MC * 64;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(5, bt[q % 3][0], 64);
+        _tile_loadd(6, bt[q % 3][1], 64);
+        _tile_loadd(4, ah, 64);
+        _tile_dpbsud(0, 4, 5);
+        _tile_dpbsud(1, 4, 6);
+        _tile_loadd(4, al, 64);
+        _tile_dpbuud(2, 4, 5);
+        _tile_dpbuud(3, 4, 6);
+        _tile_stored(0, ct[0], 64);
+        _tile_stored(1, ct[1], 64);
+        _tile_stored(2, ct[2], 64);
+        _tile_stored(3, ct[3], 64);
+        for (int64_t i = 0; i < 2 && 2 * q + i < groups; i++) {
+            const int64_t g = 2 * q + i, gx = g % per_plane;
+            __m512 sc[2], zz[2];
+            for (int b = 0; b < 2; b++)
+                sc[b] = group_scale(sz, g, row0 + 16 * (j + 2 * b), 8.0f, &zz[b]);
+            for (int m = 0; m < MC; m++)
+                for (int b = 0; b < 2; b++)
+                    y[m][b] = update(_mm512_load_si512(ct[b][i * MC + m]),
+                                     _mm512_load_si512(ct[2 + b][i * MC + m]), sc[b], zz[b],
+                                     xs[m * per_plane + gx], sxr[m * per_plane + gx], y[m][b]);
+        }
+    }
+    for (int m = 0; m < MC; m++)
+        for (int b = 0; b < 2; b++) _mm512_store_ps(out + m * TILE + 16 * (j + 2 * b), y[m][b]);
+}
+
+/* A 64-row tile for MC rows of x on AMX-INT8 (operands of amx_half), compiled for each MC */
+#define AMX_ARGS                                                                               \
+    const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,  \
+        int64_t per_plane, const float *xs, const float *sxr, float *out
+typedef void (*AmxRows)(AMX_ARGS);
+#define AMX_INT8_ROWS(MC)                                                                      \
+    static __attribute__((noinline)) void amx_rows_##MC(AMX_ARGS) {                           \
+        int4_amx_config(2 * MC);                                                               \
+        amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, 0);               \
+        amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, 1);               \
+    }
+AMX_INT8_ROWS(2) AMX_INT8_ROWS(3) AMX_INT8_ROWS(4) AMX_INT8_ROWS(5)
+AMX_INT8_ROWS(6) AMX_INT8_ROWS(7) AMX_INT8_ROWS(8)
+#undef AMX_INT8_ROWS
+static const AmxRows AMX_ROWS_OF[VNNI_ROWS + 1] = {
+    NULL, NULL, amx_rows_2, amx_rows_3, amx_rows_4, amx_rows_5, amx_rows_6, amx_rows_7,
+    amx_rows_8};
+
 /* tile t (64 output rows) for the M rows of x, VNNI_ROWS at a time */
 static inline __attribute__((always_inline)) void tile_rows(
     const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz,
-    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, const int GS) {
+    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, const uint8_t *cells,
+    const int GS) {
     const int64_t groups = K2 / GS, per_plane = K / GS, row0 = t * TILE;
     const uint8_t *tile = packed + t * K2 * 32;
     float out[VNNI_ROWS * TILE] __attribute__((aligned(64))); /* [rows][64] */
@@ -173,6 +296,10 @@ static inline __attribute__((always_inline)) void tile_rows(
             one.h += m0 * K, one.l += m0 * K;
             one.xs += m0 * per_plane, one.sxr += m0 * per_plane;
             tile_one_row(tile, sz, row0, &one, groups, per_plane, out, GS);
+        } else if (cells) { /* AMX-INT8: chunk m0 / VNNI_ROWS's cells */
+            AMX_ROWS_OF[mc](tile, sz, row0,
+                            cells + m0 / VNNI_ROWS * amx_cells_bytes(VNNI_ROWS, groups), groups,
+                            per_plane, xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out);
         } else {
             for (int64_t i = 0; i < mc * TILE; i += 16)
                 _mm512_store_ps(out + i, _mm512_setzero_ps());
@@ -199,30 +326,56 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* Thread id's tiles among nth (cpu_team.h's shares); the group size switches inside the
- * loop, so that each inlined copy of tile_rows has it as a constant */
+/* The calling thread's buffer for AMX-INT8's cells of M rows (amx_cells, a chunk of
+ * VNNI_ROWS rows every amx_cells_bytes(VNNI_ROWS, groups)), grown as needed and kept */
+static __thread uint8_t *cells_buf;
+static __thread size_t cells_buf_bytes;
+static uint8_t *cells_memory(size_t bytes) {
+    if (bytes > cells_buf_bytes) {
+        free(cells_buf);
+        cells_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cells_buf_bytes = cells_buf ? bytes : 0;
+    }
+    return cells_buf;
+}
+
+/* Thread id's tiles among nth (cpu_team.h's shares); with `amx` (groups of 32), chunks of 2
+ * or more rows on AMX-INT8 tiles where this thread's cells can be had (else VNNI: the same
+ * bits), the tiles released at the end unless `held` (a team's step releases them). The
+ * group size switches inside the loop, so that each inlined copy of tile_rows has it as a
+ * constant. */
 static __attribute__((noinline)) void tile_share_vnni(
     const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz, int64_t N,
-    int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy, int64_t gs, int64_t *ranges,
-    int64_t nth, int64_t id) {
+    int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy, int64_t gs, int amx, int held,
+    int64_t *ranges, int64_t nth, int64_t id) {
+    const int64_t groups = K2 / GROUP, chunk = amx_cells_bytes(VNNI_ROWS, groups);
+    uint8_t *cells = amx && gs == GROUP && M > 1
+                         ? cells_memory((size_t)((M + VNNI_ROWS - 1) / VNNI_ROWS) * chunk)
+                         : NULL;
+    for (int64_t m0 = 0; cells && m0 < M; m0 += VNNI_ROWS) {
+        const int64_t mc = M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS;
+        if (mc > 1) amx_cells(xr, m0, mc, K, groups, K / GROUP, cells + m0 / VNNI_ROWS * chunk);
+    }
     Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
     int64_t t0, t1;
     while (share_next(&share, &t0, &t1))
         for (int64_t t = t0; t < t1; t++) {
             if (gs == 32)
-                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, 32);
+                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, cells, 32);
             else
-                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, 16);
+                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, NULL, 16);
         }
+    if (cells && !held) int4_tiles_release();
 }
 
 /* int4_mm_vnni of cpu_int4.h: x rounded, a slab of rows at a time outside a team (a team's
  * call, a decode step's few rows, in one) */
 int int4_mm_vnni(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                  const Scales *sz, int64_t N, int64_t n_pad, int64_t K2, uint16_t *y,
-                 int64_t ldy, int64_t gs, int64_t *claim) {
+                 int64_t ldy, int64_t gs, int amx, int64_t *claim) {
     SHARE_OWN(own, claim);
     int64_t *ranges = share_ranges(claim, own);
+    const int held = in_team(); /* a team's step: its tiles stay configured */
     unsigned char room[INT_ROOM] __attribute__((aligned(64)));
     const int64_t slab = claim || in_team() ? M : int_slab_rows(K, gs);
     void *mem = int_rows_memory(int_rows_bytes(M < slab ? M : slab, K, gs), room);
@@ -233,7 +386,7 @@ int int4_mm_vnni(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uin
         round_rows_int(x + m0 * ldx, ms, K, ldx, gs, mem, 1, &xr);
         if (m0 && ranges == own) memset(own, 0, sizeof(int64_t) * (size_t)(own_n * SHARE_LINE));
         TEAM_RUN(nth, id, tile_share_vnni(&xr, ms, K, packed, sz, N, n_pad, K2, y + m0 * ldy,
-                                          ldy, gs, ranges, nth, id));
+                                          ldy, gs, amx, held, ranges, nth, id));
     }
     return 0;
 }

@@ -6,9 +6,11 @@ same math in one call each, with the same rounding points. Their Python wrappers
 their plain-PyTorch references (every `x` has an `x_ref`, a test oracle), one module per
 family:
 
-- `cpu_int4`: the int4 weight-only matmul for a few rows (`int4_mm`: AVX-512 BF16 dot
-  products; in the AVX2 build x rounded to 16 bits per group and 16-bit integer products, or
-  fp32 FMAs for codebook weights; on the packed layout of PyTorch's int4 CPU kernel); for a
+- `cpu_int4`: the int4 weight-only matmul for a few rows (`int4_mm`, on the packed layout of
+  PyTorch's int4 CPU kernel: x rounded to 16 bits per group and exact integer products with
+  the codes, by VNNI and, for batches on CPUs with AMX, AMX-INT8 tiles, or by vpmaddwd in the
+  AVX2 build, the same bits in both builds; codebook weights take AVX-512 BF16 dot products,
+  or fp32 FMAs in the AVX2 build); for a
   prompt's rows, on CPUs with AMX, `int4_mm(tiles=True)` and `int4_gemm` (tile matmuls
   straight from the packed weights), and elsewhere `int4_dequant_t` before PyTorch's matmul;
   `int4_rows_half`, whole rows of a weight with fp16 scales in fp32 (an LM head's
@@ -75,9 +77,10 @@ ISA_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
 }
 CPU_FLAGS = ISA_FLAGS["avx512"]
-AMX_FLAGS = ("amx_tile", "amx_bf16")
-# decoding rows on AMX tiles where the CPU has them (see `amx_enabled`); LOCALLLM_AMX=0 keeps
-# them on the AVX-512 kernel
+AMX_FLAGS = ("amx_tile", "amx_bf16")  # a prompt's rows on bf16 tiles
+AMX_DECODE_FLAGS = ("amx_tile", "amx_int8")  # decoding rows' batches on AMX-INT8 tiles
+# decoding rows' batches on AMX-INT8 tiles where the CPU has them (see `amx_enabled`);
+# LOCALLLM_AMX=0 keeps them on VNNI
 AMX_DEFAULT = os.environ.get("LOCALLLM_AMX", "1") != "0"
 # -fopenmp: the library needs libgomp.so.1, which resolves to the one PyTorch already loaded,
 # so both share one OpenMP thread team (two teams on two cores slow each other down 10x)
@@ -85,7 +88,8 @@ _COMMON = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 _EXTRA = tuple(os.environ.get("LOCALLLM_NATIVE_CFLAGS", "").split())
 ISA_CFLAGS = {
     "avx512": (*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi",
-               "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", *_EXTRA),
+               "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-mamx-int8",
+               *_EXTRA),
     "avx2": (*_COMMON, "-mavx2", "-mfma", "-mf16c", *_EXTRA),
 }
 CFLAGS = ISA_CFLAGS["avx512"]
@@ -267,20 +271,20 @@ def _library_of(name: str) -> ctypes.CDLL | None:
     for fn_name, (args, res) in signatures.items():
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, res
-    lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_FLAGS)))
+    lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_DECODE_FLAGS)))
     return lib
 
 
 def amx_enabled() -> bool:
-    """Whether `int4_mm` runs its rows on AMX tiles, one row or many (on by default where the
-    CPU has amx_tile and amx_bf16 and the kernel grants them; LOCALLLM_AMX=0 turns it off).
-    Weights in groups of 32 without a codebook take the tiles, the others the AVX-512 kernel.
-    A tile multiply sums a group in another order than the AVX-512 kernel (outputs differ at
-    fp32 rounding), but every row takes the tiles whatever its batch, so a row's result does
-    not depend on what else runs: up to 8 rows put their groups in the rows of the tiles, and
-    get the bits a bigger batch's rows get. On the 2-core Xeon (family 6, model 207) 8 rows of the
-    default model's matmuls took 4.0 ms on tiles vs 12.1 ms on AVX-512, one row 2.5 vs 2.3
-    ms."""
+    """Whether `int4_mm` runs batches of 2 to 8 decoding rows of a weight in groups of 32
+    (without a codebook) on AMX-INT8 tiles (on by default where the CPU has amx_tile and
+    amx_int8 and the kernel grants them; LOCALLLM_AMX=0 turns it off). One row, and every row
+    where it is off, takes VNNI. Both sum x's 16-bit integers times the codes exactly and take
+    the same fp32 epilogue, so a row gets the same bits whichever runs it, alone or batched
+    (and the same as in the AVX2 build). On the 2-core Xeon (family 6, model 207), one thread,
+    a 3072 x 576 weight in L2: 8 rows 112-130 ns a 64-row tile and group on AMX-INT8 against
+    171-191 on VNNI (the bf16 tiles that ran decoding rows before: 110-114), one row 34-38 on
+    VNNI."""
     lib = _library()
     return lib is not None and bool(lib.int4_amx_enable(-1))
 
@@ -289,7 +293,7 @@ def set_amx(on: bool) -> bool:
     """Turn the AMX path on or off for this process (tests and A/B runs); returns the state."""
     lib = _library()
     assert lib is not None
-    return bool(lib.int4_amx_enable(int(on and _cpu_has(AMX_FLAGS))))
+    return bool(lib.int4_amx_enable(int(on and _cpu_has(AMX_DECODE_FLAGS))))
 
 
 def library() -> ctypes.CDLL | None:

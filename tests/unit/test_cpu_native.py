@@ -64,10 +64,9 @@ def packed(out: int, inp: int, planes: int, seed: int = 0, group: int = 32,
 
 @pytest.fixture(params=["avx512", "amx"])
 def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """int4_mm's batches through AVX-512 dot products, then through AMX tiles (where the CPU
-    has them)."""
+    """int4_mm's batches through VNNI, then through AMX-INT8 tiles (where the CPU has them)."""
     if not cpu_native.set_amx(request.param == "amx") and request.param == "amx":
-        pytest.skip("this CPU has no AMX (amx_tile, amx_bf16)")
+        pytest.skip("this build or CPU has no AMX-INT8 (amx_tile, amx_int8)")
     yield str(request.param)
     cpu_native.set_amx(cpu_native.AMX_DEFAULT)
 
@@ -78,7 +77,8 @@ def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
 # 96, 200: the last tile is padded; 64, 320: an odd number of tiles, whose middle one's two
 # halves go to two threads
 @pytest.mark.parametrize("out", [64, 96, 200, 320])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 40])  # 17, 40: AMX row blocks of 16
+# 17, 40: chunks of 8 rows and what is left (17: a lone row on VNNI beside AMX-INT8 chunks)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 40])
 def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
                                    matmul_path: str, offsets: bool) -> None:
     w = packed(out, 256, planes, group=group, offsets=offsets)
@@ -94,13 +94,14 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
 @pytest.mark.parametrize("offsets", [True, False])  # False, two planes: Q8_0's one-pass path
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("group", [32, 16])
-# 128: fewer groups than a tile's rows take at one row on AMX; 576: two blocks of 8 and 2 more
-@pytest.mark.parametrize("cols", [128, 576])
+# 96: an odd number of groups (AMX-INT8 takes them in pairs; with two planes a pair spans
+# both), 576: 18 groups
+@pytest.mark.parametrize("cols", [96, 128, 576])
 def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int,
                                                         planes: int, offsets: bool,
                                                         cols: int) -> None:
-    # AMX: one and two rows put several groups in the rows of the C tiles, the 20-row batch one
-    # group to a C tile; all must give the same bits
+    # one row takes VNNI, two and the 20-row batch's chunks of 8 and 4 AMX-INT8 tiles (where
+    # on); all must give the same bits
     w = packed(320, cols, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
     batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, planes)
@@ -119,8 +120,9 @@ def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group:
 @pytest.mark.parametrize("group", [32, 16])
 def test_int4_mm_gives_the_same_bits_in_both_builds(native_isa: str, group: int, planes: int,
                                                     offsets: bool) -> None:
-    # without a codebook both builds round x to the same integers and sum them exactly: off
-    # AMX tiles the AVX-512 build (VNNI) gives the AVX2 build's bits, one row or a batch
+    # without a codebook both builds round x to the same integers and sum them exactly: the
+    # AVX-512 build gives the AVX2 build's bits, one row or a batch (11 rows: a chunk of 8 and
+    # one of 3), on VNNI and, where the CPU has them, with its batches on AMX-INT8 tiles
     if set(cpu_native.isas_available()) != {"avx512", "avx2"}:
         pytest.skip("needs a CPU that runs both builds")
     w = packed(200, 576, planes, group=group, offsets=offsets)
@@ -129,20 +131,23 @@ def test_int4_mm_gives_the_same_bits_in_both_builds(native_isa: str, group: int,
     x[5, :32] *= 1e-30  # values far below the others (subnormal-sized groups)
     ys = {}
     try:
-        for name in ("avx512", "avx2"):
+        for name, amx in (("avx512", False), ("avx512", True), ("avx2", False)):
             cpu_native.set_isa(name)
-            cpu_native.set_amx(False)
-            ys[name] = (cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 200, planes),
-                        cpu_int4.int4_mm(x[7:8], w.packed, w.scales_zeros, 200, planes))
+            if cpu_native.set_amx(amx) != amx:
+                continue
+            ys[name, amx] = (cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 200, planes),
+                             cpu_int4.int4_mm(x[7:8], w.packed, w.scales_zeros, 200, planes))
     finally:
         cpu_native.set_isa("avx512")
         cpu_native.set_amx(cpu_native.AMX_DEFAULT)
         cpu_native.set_isa(native_isa)
-    assert torch.equal(ys["avx512"][0], ys["avx2"][0])
-    assert torch.equal(ys["avx512"][1], ys["avx2"][1])
-    assert torch.equal(ys["avx512"][1][0], ys["avx512"][0][7])
-    bf16_close(ys["avx512"][0], cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 200, planes),
-               atol=1e-5 * float(ys["avx2"][0].float().abs().max()))
+    want = ys["avx2", False]
+    for batch, alone in ys.values():
+        assert torch.equal(batch, want[0])
+        assert torch.equal(alone, want[1])
+    assert torch.equal(want[1][0], want[0][7])
+    bf16_close(want[0], cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 200, planes),
+               atol=1e-5 * float(want[0].float().abs().max()))
 
 
 def test_int4_mm_a_prompts_rows_equal_the_rows_alone() -> None:
