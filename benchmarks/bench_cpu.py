@@ -40,6 +40,7 @@ from llama_ref import in_child, open_llama  # noqa: E402
 
 from localllm import LLM, CacheConfig, SamplingParams  # noqa: E402
 from localllm.backends.cpu import weight_arena  # noqa: E402
+from localllm.backends.cpu.dispatch import native_kernels  # noqa: E402
 from localllm.config import SchedulerConfig  # noqa: E402
 from localllm.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from localllm.kernels import cpu_native  # noqa: E402
@@ -297,9 +298,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     depth = f" @ d{args.decode_depth}" if args.decode_depth else ""
     print(f"model {path.name}, {args.threads} threads, pp{args.prompt_tokens} / "
-          f"tg{args.decode_tokens}{depth}, native kernels: {cpu_native.isa() or 'off'}"
-          f"{' (AMX decode)' if cpu_native.amx_enabled() else ''}",
-          file=sys.stderr)
+          f"tg{args.decode_tokens}{depth}, native kernels: {native_kernels()}", file=sys.stderr)
     bandwidth = ReadBandwidth(args.bandwidth_mib, args.threads) if args.bandwidth_mib else None
     try:
         results["localllm"] = bench_localllm(path, args.dtype, args.prompt_tokens,
@@ -363,7 +362,7 @@ def main() -> None:
           f"(library code touched on first use) {ours['file_pages_above_baseline_mib']:.0f} MiB")
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
-                "native_isa": cpu_native.isa(), "amx_decode": cpu_native.amx_enabled(),
+                "native_isa": cpu_native.isa(), "amx_decode": cpu_native.amx_mode(),
                 "cpus": torch.get_num_threads(), "torch": torch.__version__,
                 "python": platform.python_version(), "model": path.name,
                 "decode_depth": args.decode_depth}

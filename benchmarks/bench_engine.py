@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from localllm import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from localllm.backends.cpu.dispatch import native_kernels  # noqa: E402
 from localllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from localllm.engine.engine import RequestOutput  # noqa: E402
 from localllm.engine.metrics import EngineSnapshot, percentile  # noqa: E402
@@ -266,15 +267,14 @@ def main() -> None:
         rows.append((f"profile {k}", f"{v:.2f}", ""))
     w = max(len(r[0]) for r in rows)
     print(f"\nlocalllm engine, {path.name}, {args.dtype}, {args.threads} threads, "
-          f"{platform.machine()}, CPU {cpu_model()}, native kernels "
-          f"{cpu_native.isa() or 'off'}{' (AMX decode)' if cpu_native.amx_enabled() else ''}")
+          f"{platform.machine()}, CPU {cpu_model()}, native kernels {native_kernels()}")
     for name, value, note in rows:
         print(f"  {name:<{w}}  {value:>14}  {note}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": path.name, "dtype": args.dtype, "threads": args.threads,
             "cpu": cpu_model(), "native_isa": cpu_native.isa(),
-            "amx_decode": cpu_native.amx_enabled(), "sessions": args.sessions,
+            "amx_decode": cpu_native.amx_mode(), "sessions": args.sessions,
             "decode_tokens": args.decode_tokens,
             "decode_1_tok_s": one, "decode_n_tok_s": many, "decode_ratio": many / one,
             "chat_decode_1_tok_s": chat_one, "chat_decode_n_tok_s": chat_many,

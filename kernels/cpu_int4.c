@@ -16,7 +16,11 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int amx_enabled = 0;   /* every int4_mm row on tiles (cpu_native.AMX_DEFAULT) */
+/* decoding rows on tiles (cpu_native.AMX_DEFAULT): 0 none, AMX_INT8 (batches of 2-8 rows on
+ * AMX-INT8, one row on VNNI: the same bits) or AMX_BF16 (every row on bf16 tiles) */
+#define AMX_INT8 1
+#define AMX_BF16 2
+static int amx_enabled = 0;
 static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_ready) */
 
 /* Asks the kernel for the AMX tile state once; returns whether tiles may be used at all (the
@@ -30,34 +34,34 @@ int int4_gemm_ready(void) {
     return amx_permitted;
 }
 
-/* on = 1: ask the kernel for the AMX tile state and use it; 0: stop using it; -1: only ask
- * whether it is in use. Returns whether AMX is in use. */
+/* on = AMX_INT8 or AMX_BF16: ask the kernel for the AMX tile state and run decoding rows on
+ * those tiles; 0: stop using them; -1: only ask. Returns the mode in use (0: none). */
 int int4_amx_enable(int on) {
-    if (on == 1)
-        amx_enabled = int4_gemm_ready();
+    if (on == AMX_INT8 || on == AMX_BF16)
+        amx_enabled = int4_gemm_ready() ? on : 0;
     else if (on == 0)
         amx_enabled = 0;
     return amx_enabled;
 }
 
-/* int4_mm (operands in cpu_kernels.h) for decoding rows (prompt = 0) or a prompt's
- * (prompt = 1). A weight without a codebook takes the integer path (VNNI; with `amx`, batches
- * of a weight in groups of 32 on AMX-INT8 tiles: the same bits), except a prompt's rows where
- * `amx` is set and it has groups of 32: the bf16 AMX tiles. A codebook weight takes the sum of
- * x over each group of columns and AVX-512 BF16 dot products. lut: NULL (weights
+/* int4_mm (operands in cpu_kernels.h), tiles as `amx` says (amx_enabled's modes). A weight in
+ * groups of 32 without a codebook takes the bf16 tiles with AMX_BF16 (cpu_int4_amx.c); others
+ * without a codebook the integer path (VNNI; with AMX_INT8, batches of a weight in groups of
+ * 32 on AMX-INT8 tiles, the same bits: cpu_int4_vnni.c); codebook weights the sum of x over
+ * each group of columns and AVX-512 BF16 dot products (cpu_int4_avx512.c). lut: NULL (weights
  * (c - 8) s + z) or a codebook's 32 bf16 values hi | lo (weights (hi[c] + lo[c]) s + z; see
  * cpu_int4.h). Returns 0, -1 if out of memory, -2 for another group size. */
 static int mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
               const uint16_t *sz_p, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
               int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form, int amx,
-              int prompt, int64_t *claim) {
+              int64_t *claim) {
     if (gs != 32 && gs != 16) return -2;
     const Scales scales = scales_of(sz_p, n_pad, K, gs, planes, scales_form), *sz = &scales;
     const int64_t K2 = planes * K, groups = K2 / gs;
-    const int bf16_tiles = prompt && amx && gs == GROUP;
+    const int bf16_tiles = amx == AMX_BF16 && gs == GROUP;
     if (!lut && !bf16_tiles)
         return int4_mm_vnni(x, M, K, ldx, packed, sz, N, n_pad, K2, y, ldy, gs,
-                            amx && gs == GROUP, claim);
+                            amx == AMX_INT8 && gs == GROUP, claim);
     float room[XSUM_ROOM];
     float *xsum = x_group_sums(x, M, K, ldx, gs, groups, room);
     if (!xsum) return -1;
@@ -73,7 +77,7 @@ int int4_mm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
             int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled, 0, NULL);
+              amx_enabled, NULL);
 }
 
 int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
@@ -81,14 +85,14 @@ int int4_mm_shared(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const u
                    int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form,
                    int64_t *claim) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_enabled, 0, claim);
+              amx_enabled, claim);
 }
 
-/* tiles wherever permitted, whatever `amx_enabled` says (which is about decoding rows, whose
- * results must not depend on their batch) */
+/* a prompt's rows: bf16 tiles wherever permitted, whatever `amx_enabled` says (which is
+ * about decoding rows, whose results must not depend on their batch) */
 int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                   const uint16_t *sz, int64_t N, int64_t n_pad, int64_t planes, uint16_t *y,
                   int64_t ldy, int64_t gs, const uint16_t *lut, int64_t scales_form) {
     return mm(x, M, K, ldx, packed, sz, N, n_pad, planes, y, ldy, gs, lut, scales_form,
-              amx_permitted, 1, NULL);
+              amx_permitted ? AMX_BF16 : 0, NULL);
 }

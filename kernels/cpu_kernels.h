@@ -35,8 +35,9 @@ int int4_mm_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
 /* Asks the OS for the AMX tile state once; returns whether tiles may be used at all. */
 int int4_gemm_ready(void);
 
-/* on = 1: int4_mm's rows on AMX tiles (if permitted), whatever their number; 0: off (the
- * AVX-512 path); -1: only ask. Returns whether they are on. */
+/* Decoding rows (int4_mm's) on AMX tiles, if permitted: on = 1: batches of 2-8 rows on
+ * AMX-INT8 (one row on VNNI: the same bits); 2: every row on bf16 tiles; 0: off (VNNI); -1:
+ * only ask. Returns the mode in use. */
 int int4_amx_enable(int on);
 
 /* Releases the calling thread's AMX tiles, which int4_mm leaves configured when called by a

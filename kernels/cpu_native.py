@@ -79,9 +79,10 @@ ISA_FLAGS = {
 CPU_FLAGS = ISA_FLAGS["avx512"]
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # a prompt's rows on bf16 tiles
 AMX_DECODE_FLAGS = ("amx_tile", "amx_int8")  # decoding rows' batches on AMX-INT8 tiles
-# decoding rows' batches on AMX-INT8 tiles where the CPU has them (see `amx_enabled`);
-# LOCALLLM_AMX=0 keeps them on VNNI
-AMX_DEFAULT = os.environ.get("LOCALLLM_AMX", "1") != "0"
+# decoding rows on AMX tiles where the CPU has them (see `amx_mode`): LOCALLLM_AMX=1 (the
+# default) batches on AMX-INT8, =bf16 every row on bf16 tiles, =0 none (VNNI)
+AMX_MODES = {"int8": (1, AMX_DECODE_FLAGS), "bf16": (2, AMX_FLAGS), "off": (0, ())}
+AMX_DEFAULT = {"0": "off", "bf16": "bf16"}.get(os.environ.get("LOCALLLM_AMX", "1"), "int8")
 # -fopenmp: the library needs libgomp.so.1, which resolves to the one PyTorch already loaded,
 # so both share one OpenMP thread team (two teams on two cores slow each other down 10x)
 _COMMON = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
@@ -271,29 +272,47 @@ def _library_of(name: str) -> ctypes.CDLL | None:
     for fn_name, (args, res) in signatures.items():
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, res
-    lib.int4_amx_enable(int(AMX_DEFAULT and _cpu_has(AMX_DECODE_FLAGS)))
+    _amx_switch(lib, AMX_DEFAULT)
     return lib
 
 
-def amx_enabled() -> bool:
-    """Whether `int4_mm` runs batches of 2 to 8 decoding rows of a weight in groups of 32
-    (without a codebook) on AMX-INT8 tiles (on by default where the CPU has amx_tile and
-    amx_int8 and the kernel grants them; LOCALLLM_AMX=0 turns it off). One row, and every row
-    where it is off, takes VNNI. Both sum x's 16-bit integers times the codes exactly and take
-    the same fp32 epilogue, so a row gets the same bits whichever runs it, alone or batched
-    (and the same as in the AVX2 build). On the 2-core Xeon (family 6, model 207), one thread,
-    a 3072 x 576 weight in L2: 8 rows 112-130 ns a 64-row tile and group on AMX-INT8 against
-    171-191 on VNNI (the bf16 tiles that ran decoding rows before: 110-114), one row 34-38 on
-    VNNI."""
+def _amx_switch(lib: ctypes.CDLL, mode: str) -> str:
+    code, flags = AMX_MODES[mode]
+    got = lib.int4_amx_enable(code if _cpu_has(flags) else 0)
+    return next(name for name, (c, _) in AMX_MODES.items() if c == got)
+
+
+def amx_mode() -> str:
+    """Which tiles run decoding rows: "int8" (the default where the CPU has amx_tile and
+    amx_int8 and the kernel grants them), "bf16" (LOCALLLM_AMX=bf16) or "off" (LOCALLLM_AMX=0,
+    or no AMX).
+
+    "int8": batches of 2 to 8 decoding rows of a weight in groups of 32 (without a codebook)
+    run on AMX-INT8 tiles, one row on VNNI. Both sum x's 16-bit integers times the codes
+    exactly and take the same fp32 epilogue, so a row gets the same bits whichever runs it,
+    alone or batched, and the same as on VNNI alone ("off") or in the AVX2 build.
+    "bf16": every decoding row of such a weight, one row included, on bf16 tiles (the prompt
+    path's products): other bits than the integer paths', but the same alone or batched. On
+    the 2-core Xeon (family 6, model 207) one stream decoded 1.37x as fast on "int8" as on
+    "bf16" and eight streams 0.84x (`benchmarks/README.md`)."""
     lib = _library()
-    return lib is not None and bool(lib.int4_amx_enable(-1))
+    if lib is None:
+        return "off"
+    return next(name for name, (c, _) in AMX_MODES.items() if c == lib.int4_amx_enable(-1))
 
 
-def set_amx(on: bool) -> bool:
-    """Turn the AMX path on or off for this process (tests and A/B runs); returns the state."""
+def amx_enabled() -> bool:
+    """Whether decoding rows run on AMX tiles at all (`amx_mode` is not "off")."""
+    return amx_mode() != "off"
+
+
+def set_amx(on: bool | str) -> bool:
+    """Set `amx_mode` for this process (tests and A/B runs): True is "int8", False "off", or
+    a mode's name; a mode the CPU cannot run falls back to "off". Returns whether AMX is on."""
     lib = _library()
     assert lib is not None
-    return bool(lib.int4_amx_enable(int(on and _cpu_has(AMX_DECODE_FLAGS))))
+    mode = on if isinstance(on, str) else "int8" if on else "off"
+    return _amx_switch(lib, mode) != "off"
 
 
 def library() -> ctypes.CDLL | None:

@@ -71,7 +71,7 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     compiler)."""
     from localllm.kernels import cpu_native
 
-    amx = False
+    amx = ""  # the AMX mode to restore
     if request.param == "native-avx2":
         if cpu_native.isa() == "avx2" or "avx2" not in cpu_native.isas_available():
             pytest.skip("the AVX2 build is this machine's default (\"native\") or does not run")
@@ -80,11 +80,11 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if not cpu_native.available():
             pytest.skip("native CPU kernels are not available here (AVX2 + compiler)")
         monkeypatch.setattr(cpu_native, "_gemm_on", request.param == "native")
-        amx = request.param == "native-dense" and cpu_native.amx_enabled()
-        if amx:
+        if request.param == "native-dense" and cpu_native.amx_enabled():
+            amx = cpu_native.amx_mode()
             cpu_native.set_amx(False)
     else:
         monkeypatch.setattr(cpu_native, "_library", lambda: None)
     yield str(request.param)
     if amx:
-        cpu_native.set_amx(True)
+        cpu_native.set_amx(amx)

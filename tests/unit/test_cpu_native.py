@@ -62,11 +62,12 @@ def packed(out: int, inp: int, planes: int, seed: int = 0, group: int = 32,
     return w
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["off", "int8", "bf16"])
 def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """int4_mm's batches through VNNI, then through AMX-INT8 tiles (where the CPU has them)."""
-    if not cpu_native.set_amx(request.param == "amx") and request.param == "amx":
-        pytest.skip("this build or CPU has no AMX-INT8 (amx_tile, amx_int8)")
+    """int4_mm's decoding rows through VNNI, then with batches on AMX-INT8 tiles, then every
+    row on bf16 tiles (`cpu_native.amx_mode`; the tiles where the CPU has them)."""
+    if not cpu_native.set_amx(request.param) and request.param != "off":
+        pytest.skip(f"this build or CPU has no AMX tiles for {request.param}")
     yield str(request.param)
     cpu_native.set_amx(cpu_native.AMX_DEFAULT)
 
@@ -100,8 +101,9 @@ def test_int4_mm_matches_reference(group: int, planes: int, out: int, rows: int,
 def test_int4_mm_row_results_do_not_depend_on_the_batch(matmul_path: str, group: int,
                                                         planes: int, offsets: bool,
                                                         cols: int) -> None:
-    # one row takes VNNI, two and the 20-row batch's chunks of 8 and 4 AMX-INT8 tiles (where
-    # on); all must give the same bits
+    # int8: one row takes VNNI, two and the 20-row batch's chunks of 8 and 4 AMX-INT8 tiles;
+    # bf16: one and two rows put several groups in the rows of the C tiles, the 20-row batch
+    # one group to a C tile; all must give the same bits
     w = packed(320, cols, planes, group=group, offsets=offsets)  # 5 tiles: one unpaired at 1 row
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
     batched = cpu_int4.int4_mm(x, w.packed, w.scales_zeros, 320, planes)
@@ -756,7 +758,7 @@ def test_prompt_rows_on_tiles_match_reference(weight: str, rows: int) -> None:
     want = cpu_int4.int4_mm_ref(x, w.packed, w.scales_zeros, 192, planes, w.lut)
     bf16_close(got, want, atol=1e-5 * float(want.float().abs().max()))
     # the decode setting is left alone
-    assert not cpu_native.amx_enabled() or cpu_native.AMX_DEFAULT
+    assert cpu_native.amx_mode() in (cpu_native.AMX_DEFAULT, "off")
 
 
 @pytest.mark.usefixtures("needs_gemm")

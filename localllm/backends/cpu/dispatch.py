@@ -120,7 +120,7 @@ def native_kernels() -> str:
     if cpu_native.gemm_available():
         parts.append("AMX prefill")
     if cpu_native.amx_enabled():
-        parts.append("AMX decode")
+        parts.append({"int8": "AMX-INT8 decode"}.get(cpu_native.amx_mode(), "AMX bf16 decode"))
     return " + ".join(parts)
 
 
