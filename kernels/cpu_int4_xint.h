@@ -1,8 +1,8 @@
 /* x's rows as the integer paths of int4_mm read them (cpu_int4_avx2_int.c: 16-bit pairs;
  * cpu_int4_vnni.c: two byte planes): each group of gs columns of a row rounded to 16-bit
- * integers on a power-of-two scale (round_group), where they are kept, and the slabs a prompt
- * is rounded in. Both builds round with the same code (AVX2 instructions), so that they give
- * a row the same integers. */
+ * integers on a power-of-two scale (round_group, or round_group_split with 16 lanes: the same
+ * operations lane for lane), where they are kept, and the slabs a prompt is rounded in. Both
+ * builds give a row the same integers. */
 #ifndef LOCALLLM_CPU_INT4_XINT_H
 #define LOCALLLM_CPU_INT4_XINT_H
 
@@ -77,20 +77,42 @@ static inline void round_group(const uint16_t *x, const int gs, int16_t *v, floa
     *sxr = *xs * (float)_mm_cvtsi128_si32(s);
 }
 
-/* n (a multiple of 16) values v -> their high bytes h (signed) and low bytes l */
-static inline void split_bytes(const int16_t *v, int n, int8_t *h, uint8_t *l) {
-    for (int i = 0; i < n; i += 16) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(v + i));
-        const __m256i hi = _mm256_srai_epi16(w, 8); /* -128..127: packs keeps it */
-        const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0xFF));
-        const __m128i hb = _mm_packs_epi16(_mm256_castsi256_si128(hi),
-                                           _mm256_extracti128_si256(hi, 1));
-        const __m128i lb = _mm_packus_epi16(_mm256_castsi256_si128(lo),
-                                            _mm256_extracti128_si256(lo, 1));
-        _mm_storeu_si128((__m128i *)(h + i), hb);
-        _mm_storeu_si128((__m128i *)(l + i), lb);
+#ifdef __AVX512F__
+/* round_group with 16 lanes (the AVX-512 build), writing v's bytes h and l instead of v: the
+ * same operations lane for lane, so the same integers, xs and sxr */
+static inline void round_group_split(const uint16_t *x, const int gs, int8_t *h, uint8_t *l,
+                                     float *xs, float *sxr) {
+    __m512 f[2];
+    __m512i top = _mm512_setzero_si512();
+    for (int i = 0; i < gs / 16; i++) {
+        f[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
+        top = _mm512_max_epi32(top, _mm512_and_si512(_mm512_castps_si512(f[i]),
+                                                     _mm512_set1_epi32(0x7FFFFFFF)));
     }
+    const uint32_t bits = (uint32_t)_mm512_reduce_max_epi32(top);
+    if (bits == 0 || bits >= 0x7F800000u) {
+        __builtin_memset(h, 0, (size_t)gs);
+        __builtin_memset(l, 0, (size_t)gs);
+        *xs = *sxr = bits ? __builtin_nanf("") : 0.0f;
+        return;
+    }
+    int E = (int)(bits >> 23) - 127;
+    if (E < -126) E = -126;
+    const int e = 14 - E, e1 = e / 2;
+    const __m512 p1 = _mm512_set1_ps(pow2f(e1)), p2 = _mm512_set1_ps(pow2f(e - e1));
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < gs / 16; i++) {
+        const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(f[i], p1), p2));
+        sum = _mm512_add_epi32(sum, a);
+        _mm_storeu_si128((__m128i *)(h + 16 * i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(a, 8)));
+        _mm_storeu_si128((__m128i *)(l + 16 * i),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(a, _mm512_set1_epi32(0xFF))));
+    }
+    *xs = pow2f(E - 14);
+    *sxr = *xs * (float)_mm512_reduce_add_epi32(sum);
 }
+#endif
 
 /* The bytes of round_rows_int's v (or h and l) for M rows of K columns (whole 32-byte lines),
  * and of all it writes */
@@ -100,7 +122,8 @@ static inline size_t int_rows_bytes(int64_t M, int64_t K, int64_t gs) {
 }
 
 /* The M rows of x (bf16 [M][ldx], K columns) rounded per group of gs into mem
- * (int_rows_bytes), which r then describes: v whole, or (split) its bytes h and l */
+ * (int_rows_bytes), which r then describes: v whole, or (split, the AVX-512 build) its bytes
+ * h and l */
 static inline void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                                   int64_t gs, void *mem, int split, IntRows *r) {
     const int64_t groups = K / gs;
@@ -112,10 +135,15 @@ static inline void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = m * K + g * gs;
-            int16_t v[32] __attribute__((aligned(32)));
-            round_group(x + m * ldx + g * gs, (int)gs, split ? v : r->v + at,
-                        r->xs + m * groups + g, r->sxr + m * groups + g);
-            if (split) split_bytes(v, (int)gs, r->h + at, r->l + at);
+            const uint16_t *xg = x + m * ldx + g * gs;
+            float *xs = r->xs + m * groups + g, *sxr = r->sxr + m * groups + g;
+#ifdef __AVX512F__
+            if (split) {
+                round_group_split(xg, (int)gs, r->h + at, r->l + at, xs, sxr);
+                continue;
+            }
+#endif
+            round_group(xg, (int)gs, r->v + at, xs, sxr);
         }
 }
 
