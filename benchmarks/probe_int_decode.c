@@ -1,10 +1,11 @@
 /* Probe: the decode matmul with x as 16-bit integers per group (the AVX2 build's formula,
  * kernels/cpu_int4_avx2_int.c) on AVX-512 VNNI and AMX-INT8, beside the AVX-512 build's
- * int4_mm (bf16 products: its AVX-512 path and its AMX tiles), one thread, one weight that
- * stays in L2 (3072 x 576, the default model's gate/up). Not part of the runtime: it measures
- * whether the integer formula is worth taking to the AVX-512 build, and checks that each
- * integer kernel's group sums equal the exact ones, so that any of them gives a row the same
- * bits alone or in a batch.
+ * int4_mm in its three decode modes (cpu_native.amx_mode: VNNI alone, every row on bf16
+ * tiles, batches on AMX-INT8), one thread, one weight that stays in L2 (3072 x 576, the
+ * default model's gate/up). Not part of the runtime: it measured whether the integer formula
+ * was worth taking to the AVX-512 build (kernels/cpu_int4_vnni.c now runs it), and checks that
+ * each integer kernel's group sums equal the exact ones, so that any of them gives a row the
+ * same bits alone or in a batch.
  *
  *     gcc -O3 -fopenmp -ffp-contract=off -mavx512f -mavx512bw -mavx512vl -mavx512vbmi \
  *         -mavx512bf16 -mavx512vnni -mfma -mamx-tile -mamx-bf16 -mamx-int8 -Ikernels \
@@ -15,7 +16,8 @@
  *     /tmp/probe_int_decode [rounds]
  *
  * Needs a CPU with AVX-512 VNNI/VBMI/BF16 and AMX (a Xeon of Sapphire Rapids or later).
- * Prints ns per 64-row tile and 32-column group (best of `rounds`), for 1 and 8 rows of x.
+ * Prints ns per 64-row tile and 32-column group (best of `rounds`), for 1 and 8 rows of x
+ * (int4_mm's include rounding x; the probe kernels' x is rounded before the timing).
  *
  * The integer kernels, on the packed layout of kernels/cpu_int4.h (byte j of column k of a
  * tile: row j in the low nibble, row 32 + j in the high one):
@@ -270,7 +272,7 @@ static uint16_t XB[MAXM][K] __attribute__((aligned(64))); /* bf16 x for int4_mm 
 static uint16_t YB[MAXM][N] __attribute__((aligned(64)));
 static int64_t CLAIM[64] __attribute__((aligned(64)));
 
-static void bf16_mm(int M) {
+static void int4_mm_call(int M) {
     memset(CLAIM, 0, sizeof CLAIM);
     int4_mm_shared(XB[0], M, K, K, &W[0][0][0], &SZ[0][0][0], N, N, 1, YB[0], N, 32, NULL, 0,
                    CLAIM);
@@ -281,7 +283,7 @@ static double best_of(int rounds, int kind, int M) {
     for (int r = 0; r < rounds; r++) {
         const double t0 = now();
         switch (kind) {
-        case 0: bf16_mm(M); break;
+        case 0: int4_mm_call(M); break;
         case 1: vnni_planes(0); break;
         case 2: vnni_words(M, 0); break;
         default: amx_int8(M, 0); break;
@@ -345,10 +347,12 @@ int main(int argc, char **argv) {
     printf("integer group sums that differ from the exact ones: %d\n", bad);
     printf("ns per 64-row tile and 32-column group, one thread, best of %d:\n", rounds);
     for (int M = 1; M <= MAXM; M *= 8) {
-        int4_amx_enable(0);
+        int4_amx_enable(0); /* int4_mm on VNNI */
         const double avx = best_of(rounds, 0, M);
-        int4_amx_enable(1);
+        int4_amx_enable(2); /* int4_mm on bf16 tiles */
         const double tiles = best_of(rounds, 0, M);
+        int4_amx_enable(1); /* int4_mm with batches on AMX-INT8 */
+        const double int8 = best_of(rounds, 0, M);
         int4_tiles_release();
         const double planes = M == 1 ? best_of(rounds, 1, M) : 0.0;
         const double words = best_of(rounds, 2, M);
@@ -356,8 +360,8 @@ int main(int argc, char **argv) {
         amx_config(M);
         const double amx8 = best_of(rounds, 3, M);
         _tile_release();
-        printf("%d row%s: int4_mm bf16 AVX-512 %.1f, bf16 AMX %.1f | integer: ", M,
-               M > 1 ? "s" : " ", avx, tiles);
+        printf("%d row%s: int4_mm VNNI %.1f, bf16 tiles %.1f, AMX-INT8 %.1f | probe: ", M,
+               M > 1 ? "s" : " ", avx, tiles, int8);
         if (M == 1) printf("VNNI planes %.1f, ", planes);
         printf("VNNI words %.1f, AMX-INT8 %.1f\n", words, amx8);
     }

@@ -15,9 +15,10 @@
  * eight sums in registers; more rows take half a tile (two of the four row blocks, one
  * vpermt2b) for up to four rows of x at a time, or with `amx` AMX-INT8 tiles (below).
  * On the Xeon of benchmarks/README.md (one thread, a 3072 x 576 weight in L2,
- * benchmarks/probe_int_decode.c), a 64-row tile and group of 32: one row 34-38 ns (the bf16
- * tiles that ran it before: 65-77 in an earlier run), eight rows 171-191 on VNNI and 112-130
- * on AMX-INT8 (bf16 tiles 110-114 in the same run).
+ * benchmarks/probe_int_decode.c), ns a 64-row tile and group of 32: one row 33-35 on VNNI
+ * against 67-75 on the bf16 tiles; eight rows 167-171 on VNNI, 112-114 on AMX-INT8 and 95-97
+ * on the bf16 tiles (whose epilogue takes one fp32 sum a group where this one converts and
+ * scales two integer ones).
  */
 #include <immintrin.h>
 #include <omp.h>

@@ -293,8 +293,8 @@ def amx_mode() -> str:
     alone or batched, and the same as on VNNI alone ("off") or in the AVX2 build.
     "bf16": every decoding row of such a weight, one row included, on bf16 tiles (the prompt
     path's products): other bits than the integer paths', but the same alone or batched. On
-    the 2-core Xeon (family 6, model 207) one stream decoded 1.37x as fast on "int8" as on
-    "bf16" and eight streams 0.84x (`benchmarks/README.md`)."""
+    the 2-core Xeon (family 6, model 207) one stream decoded 1.36x as fast on "int8" as on
+    "bf16" and eight streams 0.85x (`benchmarks/README.md`)."""
     lib = _library()
     if lib is None:
         return "off"
