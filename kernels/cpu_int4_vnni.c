@@ -13,12 +13,14 @@
  *     H += codes (u8) x h (s8),   L += l (u8) x codes (s8, 0..15),   A = 256 H + L
  * exact in int32 (|A| < 2^24 for a group of 32). One row of x takes a whole tile a pass, its
  * eight sums in registers; more rows take half a tile (two of the four row blocks, one
- * vpermt2b) for up to four rows of x at a time, or with `amx` AMX-INT8 tiles (below).
+ * vpermt2b) a pass over all the groups for up to four rows of x at a time, their running sums
+ * in registers too, or with `amx` AMX-INT8 tiles (below).
  * On the Xeon of benchmarks/README.md (one thread, a 3072 x 576 weight in L2,
  * benchmarks/probe_int_decode.c), ns a 64-row tile and group of 32: one row 33-35 on VNNI
  * against 67-75 on the bf16 tiles; eight rows 167-171 on VNNI, 112-114 on AMX-INT8 and 95-97
  * on the bf16 tiles (whose epilogue takes one fp32 sum a group where this one converts and
- * scales two integer ones).
+ * scales two integer ones). With the running sums of several rows in memory, group by group,
+ * eight rows on VNNI took 1.07x as long (153-167 against 142-155, alternating builds).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -117,52 +119,64 @@ static inline __attribute__((always_inline)) void tile_one_row(
     for (int r = 0; r < 4; r++) _mm512_store_ps(out + 16 * r, y[r]);
 }
 
-/* R (1-4) rows of x (h, l: their planes at the group's first column, K apart; xs, sxr: their
- * group's, `stride` apart), group g of a tile (its bytes at gcols): out (fp32 [R][64], running)
- * += the group's terms, half a tile at a time */
-#define BLOCK_ARGS                                                                             \
-    const uint8_t *gcols, const int8_t *h, const uint8_t *l, int64_t K, const __m512 *sc,      \
-        const __m512 *zz, const float *xs, const float *sxr, int64_t stride, float *out
-static inline __attribute__((always_inline)) void rows_block(BLOCK_ARGS, const int GS,
-                                                             const int R) {
+/* R (1-4) rows of x (h, l: their planes, K apart; xs, sxr: their groups', per_plane apart), a
+ * whole tile (codes at `tile`, rows from row0) into out (fp32 [R][64]): half a tile (two of
+ * the four row blocks, one vpermt2b) a pass over all the groups, its sums in registers */
+#define ROWS_ARGS                                                                              \
+    const uint8_t *tile, const Scales *sz, int64_t row0, const int8_t *h, const uint8_t *l,     \
+        int64_t K, const float *xs, const float *sxr, int64_t per_plane, int64_t groups,        \
+        float *out
+static inline __attribute__((always_inline)) void rows_tile(ROWS_ARGS, const int GS,
+                                                            const int R) {
     for (int j = 0; j < 2; j++) {
-        __m512i H[4][2], L[4][2];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < 2; i++) H[r][i] = L[r][i] = _mm512_setzero_si512();
+        __m512 y[4][2];
+        for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *gcols = tile + g * GS * 32;
+            if (j == 0) prefetch_group(gcols, GS); /* the first half streams the weights in */
+            const int64_t gx = g % per_plane; /* plane 1 reads x again */
+            __m512i H[4][2], L[4][2];
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2; i++) H[r][i] = L[r][i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int q = 0; q < GS / 4; q++) {
-            __m512i c[2];
-            quad_half(gcols + 128 * q, j, &c[0], &c[1]);
-            for (int r = 0; r < R; r++) {
-                const __m512i bh = bytes4(h + r * K + 4 * q), bl = bytes4(l + r * K + 4 * q);
-                for (int i = 0; i < 2; i++) {
-                    H[r][i] = _mm512_dpbusd_epi32(H[r][i], c[i], bh);
-                    L[r][i] = _mm512_dpbusd_epi32(L[r][i], bl, c[i]);
+            for (int q = 0; q < GS / 4; q++) {
+                __m512i c[2];
+                quad_half(gcols + 128 * q, j, &c[0], &c[1]);
+                for (int r = 0; r < R; r++) {
+                    const __m512i bh = bytes4(h + r * K + gx * GS + 4 * q);
+                    const __m512i bl = bytes4(l + r * K + gx * GS + 4 * q);
+                    for (int i = 0; i < 2; i++) {
+                        H[r][i] = _mm512_dpbusd_epi32(H[r][i], c[i], bh);
+                        L[r][i] = _mm512_dpbusd_epi32(L[r][i], bl, c[i]);
+                    }
                 }
+            }
+            for (int i = 0; i < 2; i++) { /* row block j + 2 i */
+                __m512 zz;
+                const __m512 sc = group_scale(sz, g, row0 + 16 * (j + 2 * i), 8.0f, &zz);
+                for (int r = 0; r < R; r++)
+                    y[r][i] = update(H[r][i], L[r][i], sc, zz, xs[r * per_plane + gx],
+                                     sxr[r * per_plane + gx], y[r][i]);
             }
         }
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < 2; i++) {
-                float *o = out + r * TILE + 16 * (j + 2 * i); /* row block j + 2 i */
-                _mm512_store_ps(o, update(H[r][i], L[r][i], sc[j + 2 * i], zz[j + 2 * i],
-                                          xs[r * stride], sxr[r * stride], _mm512_load_ps(o)));
-            }
+            for (int i = 0; i < 2; i++) _mm512_store_ps(out + r * TILE + 16 * (j + 2 * i), y[r][i]);
     }
 }
 
-/* rows_block as a function of its own for each shape, so that GCC allocates each one's
+/* rows_tile as a function of its own for each shape, so that GCC allocates each one's
  * registers alone */
-typedef void (*RowsBlock)(BLOCK_ARGS);
-#define ROWS_BLOCK(GS, R)                                                                      \
-    static __attribute__((noinline)) void rows_block_##GS##_##R(BLOCK_ARGS) {                  \
-        rows_block(gcols, h, l, K, sc, zz, xs, sxr, stride, out, GS, R);                       \
+typedef void (*RowsTile)(ROWS_ARGS);
+#define ROWS_TILE(GS, R)                                                                       \
+    static __attribute__((noinline)) void rows_tile_##GS##_##R(ROWS_ARGS) {                    \
+        rows_tile(tile, sz, row0, h, l, K, xs, sxr, per_plane, groups, out, GS, R);            \
     }
-ROWS_BLOCK(32, 1) ROWS_BLOCK(32, 2) ROWS_BLOCK(32, 3) ROWS_BLOCK(32, 4)
-ROWS_BLOCK(16, 1) ROWS_BLOCK(16, 2) ROWS_BLOCK(16, 3) ROWS_BLOCK(16, 4)
-#undef ROWS_BLOCK
-static const RowsBlock ROWS_BLOCKS[2][4] = {
-    {rows_block_32_1, rows_block_32_2, rows_block_32_3, rows_block_32_4},
-    {rows_block_16_1, rows_block_16_2, rows_block_16_3, rows_block_16_4}};
+ROWS_TILE(32, 1) ROWS_TILE(32, 2) ROWS_TILE(32, 3) ROWS_TILE(32, 4)
+ROWS_TILE(16, 1) ROWS_TILE(16, 2) ROWS_TILE(16, 3) ROWS_TILE(16, 4)
+#undef ROWS_TILE
+static const RowsTile ROWS_TILES[2][4] = {
+    {rows_tile_32_1, rows_tile_32_2, rows_tile_32_3, rows_tile_32_4},
+    {rows_tile_16_1, rows_tile_16_2, rows_tile_16_3, rows_tile_16_4}};
 
 /* ---- 2 to VNNI_ROWS rows on AMX-INT8 tiles (groups of 32; where int4_mm's amx is on) ----
  *
@@ -302,22 +316,13 @@ static inline __attribute__((always_inline)) void tile_rows(
                             cells + m0 / VNNI_ROWS * amx_cells_bytes(VNNI_ROWS, groups), groups,
                             per_plane, xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out);
         } else {
-            for (int64_t i = 0; i < mc * TILE; i += 16)
-                _mm512_store_ps(out + i, _mm512_setzero_ps());
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 sc[4], zz[4];
-                group_scales4(sz, g, row0, sc, zz);
-                const uint8_t *gcols = tile + g * GS * 32;
-                prefetch_group(gcols, GS);
-                const int64_t gx = g % per_plane, at = m0 * K + gx * GS;
-                const float *xs = xr->xs + m0 * per_plane + gx;
-                const float *sxr = xr->sxr + m0 * per_plane + gx;
-                for (int64_t r0 = 0; r0 < mc; r0 += 4) {
-                    const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
-                    ROWS_BLOCKS[GS == 16][rows - 1](
-                        gcols, xr->h + at + r0 * K, xr->l + at + r0 * K, K, sc, zz,
-                        xs + r0 * per_plane, sxr + r0 * per_plane, per_plane, out + r0 * TILE);
-                }
+            for (int64_t r0 = 0; r0 < mc; r0 += 4) {
+                const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
+                ROWS_TILES[GS == 16][rows - 1](tile, sz, row0, xr->h + (m0 + r0) * K,
+                                               xr->l + (m0 + r0) * K, K,
+                                               xr->xs + (m0 + r0) * per_plane,
+                                               xr->sxr + (m0 + r0) * per_plane, per_plane,
+                                               groups, out + r0 * TILE);
             }
         }
         const int64_t rows = N - row0 < TILE ? N - row0 : TILE;
