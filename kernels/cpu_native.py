@@ -79,10 +79,15 @@ ISA_FLAGS = {
 CPU_FLAGS = ISA_FLAGS["avx512"]
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # a prompt's rows on bf16 tiles
 AMX_DECODE_FLAGS = ("amx_tile", "amx_int8")  # decoding rows' batches on AMX-INT8 tiles
-# decoding rows on AMX tiles where the CPU has them (see `amx_mode`): LOCALLLM_AMX=1 (the
-# default) batches on AMX-INT8, =bf16 every row on bf16 tiles, =0 none (VNNI)
+# decoding rows on AMX tiles where the CPU has them (see `amx_mode`): LOCALLLM_AMX=1 or int8
+# (the default) batches on AMX-INT8, =bf16 every row on bf16 tiles, =0 or off none (VNNI)
 AMX_MODES = {"int8": (1, AMX_DECODE_FLAGS), "bf16": (2, AMX_FLAGS), "off": (0, ())}
-AMX_DEFAULT = {"0": "off", "bf16": "bf16"}.get(os.environ.get("LOCALLLM_AMX", "1"), "int8")
+_AMX_SETTINGS = {"1": "int8", "int8": "int8", "bf16": "bf16", "0": "off", "off": "off"}
+_amx_setting = os.environ.get("LOCALLLM_AMX", "1").strip().lower()
+if _amx_setting not in _AMX_SETTINGS:
+    log.warning("LOCALLLM_AMX=%s is none of %s; using int8", _amx_setting,
+                ", ".join(_AMX_SETTINGS))
+AMX_DEFAULT = _AMX_SETTINGS.get(_amx_setting, "int8")
 # -fopenmp: the library needs libgomp.so.1, which resolves to the one PyTorch already loaded,
 # so both share one OpenMP thread team (two teams on two cores slow each other down 10x)
 _COMMON = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")

@@ -895,6 +895,23 @@ def test_each_build_has_its_own_library_file_and_the_switch_forces_one(native_is
         cpu_native.set_isa("avx3")
 
 
+def test_the_amx_switch_names_a_mode_and_warns_of_anything_else(native_isa: str) -> None:
+    import subprocess
+    import sys
+
+    code = "from localllm.kernels import cpu_native as c; print(c.amx_mode())"
+    for setting, mode in (("bf16", "bf16"), ("off", "off"), ("bogus", "int8")):
+        cpu_native.set_amx(mode)  # what this process's build and CPU make of the mode
+        want = cpu_native.amx_mode()
+        cpu_native.set_amx(cpu_native.AMX_DEFAULT)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ, "LOCALLLM_NATIVE_ISA": native_isa,
+                                              "LOCALLLM_AMX": setting})
+        assert run.stdout.strip() == want
+        assert (f"LOCALLLM_AMX={setting} is none of" in run.stderr) == (setting == "bogus")
+    assert native_isa == "avx512" or want == "off"  # the AVX2 build has no tiles
+
+
 @pytest.mark.parametrize("name", cpu_native.ISAS)
 def test_a_builds_hash_covers_every_header_its_sources_include(name: str) -> None:
     # the library's file name hashes SOURCES and HEADERS: a header missing from HEADERS would
