@@ -24,7 +24,7 @@ static int amx_enabled = 0;
 static int amx_permitted = 0; /* the OS lets this process use tiles (int4_gemm_ready) */
 
 /* Asks the kernel for the AMX tile state once; returns whether tiles may be used at all (the
- * prompt matmuls, and every int4_mm row once int4_amx_enable turns them on). */
+ * prompt matmuls, and decoding rows in the modes int4_amx_enable turns on). */
 int int4_gemm_ready(void) {
     static int asked = 0;
     if (!asked) {

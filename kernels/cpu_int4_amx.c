@@ -50,13 +50,14 @@ void int4_tiles_release(void) {
 
 /* ---- int4_mm's path on tiles: the AVX-512 path's formula with tile matmuls ----
  *
- * Per 64-row tile and group of 32 columns (groups of 16 stay on AVX-512), the unpacked
- * (k, k+1) pairs of four 16-row blocks are exactly four B tiles of TDPBF16PS (16 pair rows x
- * 16 columns); x's rows for the group are the A tile; C (x rows x 16 fp32) = sum x (128 + c),
- * then the same epilogue as the AVX-512 path. A tile multiply sums a group in its own order
- * (the results differ from the AVX-512 path's at fp32 rounding), but each output element is
- * summed within one tile op whatever the number of rows, so a row's result does not depend
- * on its batch; once enabled, every call takes this path, one row included. */
+ * Per 64-row tile and group of 32 columns (groups of 16 take the integer path), the unpacked
+ * (k, k+1) pairs 128 + c of four 16-row blocks are exactly four B tiles of TDPBF16PS (16 pair
+ * rows x 16 columns); x's rows for the group are the A tile; C (x rows x 16 fp32) =
+ * sum x (128 + c), then per group s C + (z - 136 s) sx. A tile multiply sums a group in its
+ * own order (the results differ from the integer paths'), but each output element is summed
+ * within one tile op whatever the number of rows, so a row's result does not depend on its
+ * batch. A prompt's rows take this path, and with LOCALLLM_AMX=bf16 every decoding row, one
+ * row included. */
 
 /* Group g's 64 x 32 codes at p as the four B tiles of TDPBF16PS, bt[r]: 16 pair rows of row
  * block r's 16 weights (128 + c, bf16) */

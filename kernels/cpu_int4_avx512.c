@@ -1,11 +1,12 @@
 /* The few-rows path of int4_mm for codebook weights (IQ4_NL, IQ4_XS, NF4) on AVX-512 BF16
  * (layout and formula: cpu_int4.h; weights without a codebook take cpu_int4_vnni.c).
  *
- * One 64-byte load holds columns k and k+1 of a 64-row tile. Each nibble c becomes the bf16
- * number 128 + c (bits 0x4300 | c: exact), laid out as (k, k+1) pairs per row, so that
- * `vdpbf16ps` adds x[k] (128 + c[n,k]) + x[k+1] (128 + c[n,k+1]) into one fp32 lane per row.
- * Per group of gs columns, with a = that sum and sx = sum of x:
- *     sum_k x (c - 8) s + z x  =  s a + (z - 136 s) sx
+ * One 64-byte load holds columns k and k+1 of a 64-row tile. Each nibble c becomes its
+ * codebook value hi[c] (bf16; with a second term lo[c] where the codebook is not exact in
+ * bf16), laid out as (k, k+1) pairs per row, so that `vdpbf16ps` adds x[k] hi[c[n,k]] +
+ * x[k+1] hi[c[n,k+1]] into one fp32 lane per row. Per group of gs columns, with a = that sum
+ * (and the lo terms') and sx = sum of x:
+ *     sum_k x (hi[c] + lo[c]) s + z x  =  s a + z sx
  * Products of bf16 numbers are exact in fp32; sums are fp32. Rows are split across OpenMP
  * threads by tiles.
  */

@@ -1,7 +1,8 @@
 /* The row paths of the AVX-512 few-rows int4 kernel (cpu_int4_avx512.c, which compiles each on
  * its own and chooses between them): one or two 64-row tiles for 1, 2, 4 or 8 rows of x, whole
  * tiles or half tiles, every (tile, row) pair summed in one order whatever the path (layout
- * and formula: cpu_int4.h). Internal to that file. */
+ * and formula: cpu_int4.h). Internal to that file. USE_LUT: the codebook's bf16 terms, 1 (exact
+ * in bf16) or 2 (hi + lo). */
 #ifndef LOCALLLM_CPU_INT4_TILES_H
 #define LOCALLLM_CPU_INT4_TILES_H
 
@@ -34,16 +35,6 @@ static inline __attribute__((always_inline)) void unpack_pairs_lut(
         w[r] = _mm512_permutexvar_epi16(c[r], lut);
         if (TERMS == 2) wlo[r] = _mm512_permutexvar_epi16(c[r], lut_lo);
     }
-}
-
-/* USE_LUT: 0 plain codes, 1 a codebook exact in bf16, 2 a codebook in two bf16 terms */
-static inline __attribute__((always_inline)) void unpack(__m512i b, __m512i w[4], __m512i wlo[4],
-                                                         const int USE_LUT, __m512i lut,
-                                                         __m512i lut_lo) {
-    if (USE_LUT)
-        unpack_pairs_lut(b, w, wlo, lut, lut_lo, USE_LUT);
-    else
-        unpack_pairs(b, w);
 }
 
 /* NT consecutive 64-row tiles for MR rows of x (NT * MR <= 2: 16 accumulators and 16 sums
@@ -84,7 +75,7 @@ static inline __attribute__((always_inline)) void tiles_rows(
                                  (NT == 2 && o + PREFETCH_BYTES >= tile_bytes ? tile_bytes : 0),
                              STREAM_HINT);
                 __m512i w[4], wlo[4];
-                unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
+                unpack_pairs_lut(_mm512_loadu_si512(p), w, wlo, lut, lut_lo, USE_LUT);
                 for (int m = 0; m < MR; m++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair[m]);
                     for (int r = R0; r < R1; r++) {
@@ -97,9 +88,9 @@ static inline __attribute__((always_inline)) void tiles_rows(
         }
         for (int i = 0; i < NT; i++) {
             for (int r = R0; r < R1; r++) {
-                __m512 zz; /* z - 136 s */
+                __m512 zz; /* z: a codebook has no bias */
                 const __m512 sc = group_scale(sz, g, row0 + i * TILE + 16 * r,
-                                              USE_LUT ? 0.0f : 136.0f, &zz);
+                                              0.0f, &zz);
                 for (int m = 0; m < MR; m++) {
                     y[i][m][r] = _mm512_fmadd_ps(sc, a[i][m][r], y[i][m][r]);
                     y[i][m][r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[m * groups + g]),
@@ -134,7 +125,7 @@ static inline __attribute__((always_inline)) void tile_rows4(
             const uint8_t *p = tile + (g * GS + 2 * kp) * 32;
             _mm_prefetch((const char *)p + PREFETCH_BYTES, STREAM_HINT);
             __m512i w[4], wlo[4];
-            unpack(_mm512_loadu_si512(p), w, wlo, USE_LUT, lut, lut_lo);
+            unpack_pairs_lut(_mm512_loadu_si512(p), w, wlo, lut, lut_lo, USE_LUT);
             for (int m = 0; m < 4; m++) {
                 int32_t pair;
                 __builtin_memcpy(&pair, x + m * ldx + kx + 2 * kp, 4);
@@ -147,8 +138,8 @@ static inline __attribute__((always_inline)) void tile_rows4(
             }
         }
         for (int r = 0; r < 4; r++) {
-            __m512 zz; /* z - 136 s */
-            const __m512 sc = group_scale(sz, g, row0 + 16 * r, USE_LUT ? 0.0f : 136.0f, &zz);
+            __m512 zz; /* z: a codebook has no bias */
+            const __m512 sc = group_scale(sz, g, row0 + 16 * r, 0.0f, &zz);
             for (int m = 0; m < 4; m++) {
                 float *o = out + m * TILE + 16 * r;
                 __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
@@ -168,7 +159,6 @@ static inline __attribute__((always_inline)) void tile_rows8(
     int64_t ldx, int64_t K, int64_t groups, const float *xsum, float *out, const int GS,
     const int USE_LUT, __m512i lut, __m512i lut_lo, const int H0, const int H1) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i bias = _mm512_set1_epi32(0x43004300); /* bf16 128 = 0x4300 */
     const __m512i idx_a = _mm512_load_si512(PAIR_INDEX[0]);
     const __m512i idx_b = _mm512_load_si512(PAIR_INDEX[1]);
     for (int i = 0; i < 8 * TILE; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
@@ -188,18 +178,13 @@ static inline __attribute__((always_inline)) void tile_rows8(
                 const __m512i nib = h ? _mm512_and_si512(_mm512_srli_epi16(b, 4), low4)
                                       : _mm512_and_si512(b, low4);
                 __m512i w[2], wlo[2];
-                if (USE_LUT) {
-                    const __m512i c0 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, nib);
-                    const __m512i c1 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, nib);
-                    w[0] = _mm512_permutexvar_epi16(c0, lut);
-                    w[1] = _mm512_permutexvar_epi16(c1, lut);
-                    if (USE_LUT == 2) {
-                        wlo[0] = _mm512_permutexvar_epi16(c0, lut_lo);
-                        wlo[1] = _mm512_permutexvar_epi16(c1, lut_lo);
-                    }
-                } else {
-                    w[0] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_a, nib);
-                    w[1] = _mm512_mask_permutexvar_epi8(bias, PAIR_MASK, idx_b, nib);
+                const __m512i c0 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_a, nib);
+                const __m512i c1 = _mm512_maskz_permutexvar_epi8(PAIR_MASK, idx_b, nib);
+                w[0] = _mm512_permutexvar_epi16(c0, lut);
+                w[1] = _mm512_permutexvar_epi16(c1, lut);
+                if (USE_LUT == 2) {
+                    wlo[0] = _mm512_permutexvar_epi16(c0, lut_lo);
+                    wlo[1] = _mm512_permutexvar_epi16(c1, lut_lo);
                 }
                 for (int m = 0; m < 8; m++) {
                     int32_t pair;
@@ -213,9 +198,9 @@ static inline __attribute__((always_inline)) void tile_rows8(
                 }
             }
             for (int r = 0; r < 2; r++) {
-                __m512 zz; /* z - 136 s */
+                __m512 zz; /* z: a codebook has no bias */
                 const __m512 sc = group_scale(sz, g, row0 + 16 * (2 * h + r),
-                                              USE_LUT ? 0.0f : 136.0f, &zz);
+                                              0.0f, &zz);
                 for (int m = 0; m < 8; m++) {
                     float *o = out + m * TILE + 16 * (2 * h + r);
                     __m512 y = _mm512_fmadd_ps(sc, a[m][r], _mm512_loadu_ps(o));
