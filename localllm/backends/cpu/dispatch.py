@@ -16,10 +16,10 @@ the AVX2 build) or `torch` (PyTorch's int4 kernel), or `any` for weights only Py
 kernel takes. The
 kind is, on the native machines, `codes` (groups of 32 without a codebook: AMX tiles read
 their codes directly) or `other`; on `torch`, the planes (PyTorch's kernel runs them one at a
-time, so two-plane weights leave it at half the rows); `int8 per channel` on `any`. With AMX
-decode on (`cpu_native.amx_enabled`, the default where the CPU has AMX) the few-rows kernel
-itself takes the tiles for `codes` weights, so there KERNEL and TILES give the same bits; the
-figures below are the AVX-512 kernel's.
+time, so two-plane weights leave it at half the rows); `int8 per channel` on `any`. The
+few-rows kernel's tiles for decoding rows follow `cpu_native.amx_mode` (AMX-INT8 by default:
+other bits than TILES' bf16 products; with LOCALLLM_AMX=bf16 the same as TILES). The figures
+below were measured when the AVX-512 kernel multiplied in bf16 (before its integer path).
 Measured on the default model, 2 cores:
 
 - native kernel on the 3072x576 gate/up weight: 205 us at 8 rows, 395 us at 16, 578 us at 24
