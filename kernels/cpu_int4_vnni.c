@@ -119,21 +119,22 @@ static inline __attribute__((always_inline)) void tile_one_row(
     for (int r = 0; r < 4; r++) _mm512_store_ps(out + 16 * r, y[r]);
 }
 
-/* R (1-4) rows of x (h, l: their planes, K apart; xs, sxr: their groups', per_plane apart), a
- * whole tile (codes at `tile`, rows from row0) into out (fp32 [R][64]): half a tile (two of
- * the four row blocks, one vpermt2b) a pass over all the groups, its sums in registers */
+/* R (1-4) rows of x (h, l: their planes, K apart; xs, sxr: their groups', per_plane apart),
+ * halves j0 .. j1 - 1 of a tile (codes at `tile`, rows from row0) into out (fp32 [R][64]):
+ * half j (row blocks j and j + 2, one vpermt2b) a pass over all the groups, its sums in
+ * registers */
 #define ROWS_ARGS                                                                              \
     const uint8_t *tile, const Scales *sz, int64_t row0, const int8_t *h, const uint8_t *l,     \
         int64_t K, const float *xs, const float *sxr, int64_t per_plane, int64_t groups,        \
-        float *out
+        float *out, int j0, int j1
 static inline __attribute__((always_inline)) void rows_tile(ROWS_ARGS, const int GS,
                                                             const int R) {
-    for (int j = 0; j < 2; j++) {
+    for (int j = j0; j < j1; j++) {
         __m512 y[4][2];
         for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *gcols = tile + g * GS * 32;
-            if (j == 0) prefetch_group(gcols, GS); /* the first half streams the weights in */
+            if (j == j0) prefetch_group(gcols, GS); /* the first half streams the weights in */
             const int64_t gx = g % per_plane; /* plane 1 reads x again */
             __m512i H[4][2], L[4][2];
             for (int r = 0; r < R; r++)
@@ -169,7 +170,7 @@ static inline __attribute__((always_inline)) void rows_tile(ROWS_ARGS, const int
 typedef void (*RowsTile)(ROWS_ARGS);
 #define ROWS_TILE(GS, R)                                                                       \
     static __attribute__((noinline)) void rows_tile_##GS##_##R(ROWS_ARGS) {                    \
-        rows_tile(tile, sz, row0, h, l, K, xs, sxr, per_plane, groups, out, GS, R);            \
+        rows_tile(tile, sz, row0, h, l, K, xs, sxr, per_plane, groups, out, j0, j1, GS, R);    \
     }
 ROWS_TILE(32, 1) ROWS_TILE(32, 2) ROWS_TILE(32, 3) ROWS_TILE(32, 4)
 ROWS_TILE(16, 1) ROWS_TILE(16, 2) ROWS_TILE(16, 3) ROWS_TILE(16, 4)
@@ -212,10 +213,10 @@ static inline size_t amx_cells_bytes(int64_t mc, int64_t groups) {
 /* Half j of pair q's codes (ng = 1 or 2 groups at p) as two B tiles: bt[0] row block j,
  * bt[1] row block j + 2 (quad_half's two) */
 static inline __attribute__((always_inline)) void pair_half(const uint8_t *p, int64_t ng,
-                                                            const int j,
+                                                            const int j, int fetch,
                                                             uint8_t bt[2][16][64]) {
     for (int64_t kq = 0; kq < 8 * ng; kq++) {
-        if (j == 0 && kq % 2 == 0) { /* the first half streams the weights in */
+        if (fetch && kq % 2 == 0) { /* the first half streams the weights in */
             _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES, STREAM_HINT);
             _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES + 64, STREAM_HINT);
         }
@@ -231,8 +232,8 @@ static inline __attribute__((always_inline)) void pair_half(const uint8_t *p, in
  * out (fp32 [MC][64]), its sums in registers over all the groups */
 static inline __attribute__((always_inline)) void amx_half(
     const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,
-    int64_t per_plane, const float *xs, const float *sxr, float *out, const int MC,
-    const int j) {
+    int64_t per_plane, const float *xs, const float *sxr, float *out, const int MC, int j,
+    int fetch) {
     /* three pairs' B tiles: the next pair is unpacked before this one's multiplies, since a
      * tile load of just-stored lines waits for the stores */
     uint8_t bt[3][2][16][64] __attribute__((aligned(64)));
@@ -240,10 +241,10 @@ static inline __attribute__((always_inline)) void amx_half(
     const int64_t pairs = (groups + 1) / 2;
     __m512 y[VNNI_ROWS][2];
     for (int m = 0; m < MC; m++) y[m][0] = y[m][1] = _mm512_setzero_ps();
-    pair_half(tile, groups < 2 ? groups : 2, j, bt[0]);
+    pair_half(tile, groups < 2 ? groups : 2, j, fetch, bt[0]);
     for (int64_t q = 0; q < pairs; q++) {
         if (q + 1 < pairs)
-            pair_half(tile + (q + 1) * PAIR_BYTES, groups - 2 * (q + 1) < 2 ? 1 : 2, j,
+            pair_half(tile + (q + 1) * PAIR_BYTES, groups - 2 * (q + 1) < 2 ? 1 : 2, j, fetch,
                       bt[(q + 1) % 3]);
         const uint8_t *ah = cells + 2 * q * 2 * MC * 64, *al = ah + 2 * MC * 64;
         _tile_zero(0);
@@ -278,16 +279,17 @@ static inline __attribute__((always_inline)) void amx_half(
         for (int b = 0; b < 2; b++) _mm512_store_ps(out + m * TILE + 16 * (j + 2 * b), y[m][b]);
 }
 
-/* A 64-row tile for MC rows of x on AMX-INT8 (operands of amx_half), compiled for each MC */
+/* Halves j0 .. j1 - 1 of a 64-row tile for MC rows of x on AMX-INT8 (operands of amx_half),
+ * compiled for each MC */
 #define AMX_ARGS                                                                               \
     const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,  \
-        int64_t per_plane, const float *xs, const float *sxr, float *out
+        int64_t per_plane, const float *xs, const float *sxr, float *out, int j0, int j1
 typedef void (*AmxRows)(AMX_ARGS);
 #define AMX_INT8_ROWS(MC)                                                                      \
     static __attribute__((noinline)) void amx_rows_##MC(AMX_ARGS) {                           \
         int4_amx_config(2 * MC);                                                               \
-        amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, 0);               \
-        amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, 1);               \
+        for (int j = j0; j < j1; j++)                                                          \
+            amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, j, j == j0);  \
     }
 AMX_INT8_ROWS(2) AMX_INT8_ROWS(3) AMX_INT8_ROWS(4) AMX_INT8_ROWS(5)
 AMX_INT8_ROWS(6) AMX_INT8_ROWS(7) AMX_INT8_ROWS(8)
@@ -296,25 +298,28 @@ static const AmxRows AMX_ROWS_OF[VNNI_ROWS + 1] = {
     NULL, NULL, amx_rows_2, amx_rows_3, amx_rows_4, amx_rows_5, amx_rows_6, amx_rows_7,
     amx_rows_8};
 
-/* tile t (64 output rows) for the M rows of x, VNNI_ROWS at a time */
+/* Tile t (64 output rows) for the M rows of x, its row blocks j and j + 2 for j0 <= j < j1:
+ * the whole tile or one half of it. Rows VNNI_ROWS at a time; each row block's sums are the
+ * same whichever call computes them. */
 static inline __attribute__((always_inline)) void tile_rows(
     const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz,
-    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, const uint8_t *cells,
-    const int GS) {
+    int64_t N, int64_t K2, uint16_t *y, int64_t ldy, int64_t t, int j0, int j1,
+    const uint8_t *cells, const int GS) {
     const int64_t groups = K2 / GS, per_plane = K / GS, row0 = t * TILE;
     const uint8_t *tile = packed + t * K2 * 32;
     float out[VNNI_ROWS * TILE] __attribute__((aligned(64))); /* [rows][64] */
     for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS) {
         const int64_t mc = M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS;
-        if (mc == 1) {
+        if (mc == 1 && j1 - j0 == 2) {
             IntRows one = *xr;
             one.h += m0 * K, one.l += m0 * K;
             one.xs += m0 * per_plane, one.sxr += m0 * per_plane;
             tile_one_row(tile, sz, row0, &one, groups, per_plane, out, GS);
-        } else if (cells) { /* AMX-INT8: chunk m0 / VNNI_ROWS's cells */
+        } else if (cells && mc > 1) { /* AMX-INT8: chunk m0 / VNNI_ROWS's cells */
             AMX_ROWS_OF[mc](tile, sz, row0,
                             cells + m0 / VNNI_ROWS * amx_cells_bytes(VNNI_ROWS, groups), groups,
-                            per_plane, xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out);
+                            per_plane, xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out,
+                            j0, j1);
         } else {
             for (int64_t r0 = 0; r0 < mc; r0 += 4) {
                 const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
@@ -322,13 +327,15 @@ static inline __attribute__((always_inline)) void tile_rows(
                                                xr->l + (m0 + r0) * K, K,
                                                xr->xs + (m0 + r0) * per_plane,
                                                xr->sxr + (m0 + r0) * per_plane, per_plane,
-                                               groups, out + r0 * TILE);
+                                               groups, out + r0 * TILE, j0, j1);
             }
         }
         const int64_t rows = N - row0 < TILE ? N - row0 : TILE;
         for (int64_t m = 0; m < mc; m++)
-            for (int64_t r = 0; r < rows; r += 16)
-                store_floats_bf16(out + m * TILE + r, y + (m0 + m) * ldy + row0 + r, rows - r);
+            for (int j = j0; j < j1; j++)
+                for (int64_t r = 16 * j; r < rows; r += 32)
+                    store_floats_bf16(out + m * TILE + r, y + (m0 + m) * ldy + row0 + r,
+                                      rows - r < 16 ? rows - r : 16);
     }
 }
 
@@ -362,14 +369,22 @@ static __attribute__((noinline)) void tile_share_vnni(
         const int64_t mc = M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS;
         if (mc > 1) amx_cells(xr, m0, mc, K, groups, K / GROUP, cells + m0 / VNNI_ROWS * chunk);
     }
-    Share share = share_of(ranges, n_pad / TILE, 1, nth, id);
-    int64_t t0, t1;
-    while (share_next(&share, &t0, &t1))
-        for (int64_t t = t0; t < t1; t++) {
+    /* the units shared out: one row's whole tiles (its half-tile pass is slower than
+     * tile_one_row), a batch's halves of tiles: a thread's last whole tile of 8 rows kept the
+     * other waiting at the team's barrier (the engine's 8 streams 5% faster, in-process A/B) */
+    const int halves = M > 1;
+    Share share = share_of(ranges, (halves ? 2 : 1) * (n_pad / TILE), 1, nth, id);
+    int64_t u0, u1;
+    while (share_next(&share, &u0, &u1))
+        for (int64_t u = u0; u < u1;) {
+            const int whole = !halves || (u % 2 == 0 && u + 1 < u1);
+            const int j0 = whole ? 0 : (int)(u % 2), j1 = whole ? 2 : j0 + 1;
+            const int64_t t = halves ? u / 2 : u;
             if (gs == 32)
-                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, cells, 32);
+                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, j0, j1, cells, 32);
             else
-                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, NULL, 16);
+                tile_rows(xr, M, K, packed, sz, N, K2, y, ldy, t, j0, j1, NULL, 16);
+            u += whole && halves ? 2 : 1;
         }
     if (cells && !held) int4_tiles_release();
 }
