@@ -1,6 +1,6 @@
 /* x's rows as the integer paths of int4_mm read them (cpu_int4_avx2_int.c: 16-bit pairs;
  * cpu_int4_vnni.c: two byte planes): each group of gs columns of a row rounded to 16-bit
- * integers on a power-of-two scale (round_group, or round_group_split with 16 lanes: the same
+ * integers on a power-of-two scale (round_group, or round_groups_split with 16 lanes: the same
  * operations lane for lane), where they are kept, and the slabs a prompt is rounded in. Both
  * builds give a row the same integers. */
 #ifndef LOCALLLM_CPU_INT4_XINT_H
@@ -78,40 +78,123 @@ static inline void round_group(const uint16_t *x, const int gs, int16_t *v, floa
 }
 
 #ifdef __AVX512F__
-/* round_group with 16 lanes (the AVX-512 build), writing v's bytes h and l instead of v: the
- * same operations lane for lane, so the same integers, xs and sxr */
-static inline void round_group_split(const uint16_t *x, const int gs, int8_t *h, uint8_t *l,
-                                     float *xs, float *sxr) {
-    __m512 f[2];
-    __m512i top = _mm512_setzero_si512();
-    for (int i = 0; i < gs / 16; i++) {
+/* 16 int32 vectors t[0..15] -> one vector whose lane i is op over the lanes of t[i] (op: max
+ * or add, associative and commutative on integers): four levels of shuffles */
+#define REDUCE16(t, op, out)                                                                   \
+    do {                                                                                       \
+        __m512i r1_[8], r2_[4], r3_[2];                                                        \
+        for (int i_ = 0; i_ < 8; i_++) /* 128-bit chunks 0, 1: t[i]'s; 2, 3: t[i + 8]'s */     \
+            r1_[i_] = op(_mm512_shuffle_i32x4(t[i_], t[i_ + 8], 0x44),                         \
+                         _mm512_shuffle_i32x4(t[i_], t[i_ + 8], 0xEE));                        \
+        for (int i_ = 0; i_ < 4; i_++) /* chunks: t[i], t[i + 8], t[i + 4], t[i + 12] */        \
+            r2_[i_] = op(_mm512_shuffle_i32x4(r1_[i_], r1_[i_ + 4], 0x88),                     \
+                         _mm512_shuffle_i32x4(r1_[i_], r1_[i_ + 4], 0xDD));                    \
+        for (int i_ = 0; i_ < 2; i_++) /* a chunk's lanes 0-1: t[i + c]'s, 2-3: t[i + 2 + c]'s */ \
+            r3_[i_] = op(_mm512_unpacklo_epi64(r2_[i_], r2_[i_ + 2]),                          \
+                         _mm512_unpackhi_epi64(r2_[i_], r2_[i_ + 2]));                         \
+        const __m512i lo_ = _mm512_unpacklo_epi32(r3_[0], r3_[1]); /* a0 b0 a1 b1 */          \
+        const __m512i hi_ = _mm512_unpackhi_epi32(r3_[0], r3_[1]); /* a2 b2 a3 b3 */          \
+        const __m512i r4_ = op(_mm512_unpacklo_epi64(lo_, hi_),                                \
+                               _mm512_unpackhi_epi64(lo_, hi_)); /* 0-3, 8-11, 4-7, 12-15 */  \
+        out = _mm512_shuffle_i32x4(r4_, r4_, 0xD8);                                            \
+    } while (0)
+
+/* vpermt2b indices: byte 0 of each of the 32 int32 of two vectors, then byte 1 of each (of one
+ * vector: bytes 0 of its 16, then bytes 1) */
+#define SPLIT_BYTES(b) 4 * 0 + (b), 4 * 1 + (b), 4 * 2 + (b), 4 * 3 + (b), 4 * 4 + (b), \
+    4 * 5 + (b), 4 * 6 + (b), 4 * 7 + (b), 4 * 8 + (b), 4 * 9 + (b), 4 * 10 + (b), 4 * 11 + (b), \
+    4 * 12 + (b), 4 * 13 + (b), 4 * 14 + (b), 4 * 15 + (b)
+static const uint8_t SPLIT_INDEX[2][64] __attribute__((aligned(64))) = {
+    {SPLIT_BYTES(0), SPLIT_BYTES(1), SPLIT_BYTES(0), SPLIT_BYTES(1)},
+    {SPLIT_BYTES(0), SPLIT_BYTES(64), SPLIT_BYTES(1), SPLIT_BYTES(65)}};
+#undef SPLIT_BYTES
+
+/* gs (16, 32) bf16 values at x -> fp32, gs / 16 vectors */
+static inline __attribute__((always_inline)) void load_group16(const uint16_t *x, const int gs,
+                                                              __m512 f[2]) {
+    for (int i = 0; i < gs / 16; i++)
         f[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
-        top = _mm512_max_epi32(top, _mm512_and_si512(_mm512_castps_si512(f[i]),
-                                                     _mm512_set1_epi32(0x7FFFFFFF)));
-    }
-    const uint32_t bits = (uint32_t)_mm512_reduce_max_epi32(top);
-    if (bits == 0 || bits >= 0x7F800000u) {
-        __builtin_memset(h, 0, (size_t)gs);
-        __builtin_memset(l, 0, (size_t)gs);
-        *xs = *sxr = bits ? __builtin_nanf("") : 0.0f;
-        return;
-    }
-    int E = (int)(bits >> 23) - 127;
-    if (E < -126) E = -126;
-    const int e = 14 - E, e1 = e / 2;
-    const __m512 p1 = _mm512_set1_ps(pow2f(e1)), p2 = _mm512_set1_ps(pow2f(e - e1));
-    __m512i sum = _mm512_setzero_si512();
-    for (int i = 0; i < gs / 16; i++) {
-        const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(f[i], p1), p2));
-        sum = _mm512_add_epi32(sum, a);
-        _mm_storeu_si128((__m128i *)(h + 16 * i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(a, 8)));
-        _mm_storeu_si128((__m128i *)(l + 16 * i),
-                         _mm512_cvtepi32_epi8(_mm512_and_si512(a, _mm512_set1_epi32(0xFF))));
-    }
-    *xs = pow2f(E - 14);
-    *sxr = *xs * (float)_mm512_reduce_add_epi32(sum);
 }
+
+/* round_group for n (1-16) consecutive groups of gs at x, with 16 lanes (the AVX-512 build):
+ * the same operations lane for lane, so the same integers, xs and sxr, written as v's bytes h
+ * and l (int8 and uint8 [n gs]), xs[n] and sxr[n]. The groups' largest values, exponents and
+ * sums are taken 16 groups to a vector (a group at a time, the reductions and scalar steps
+ * took most of the time). */
+static inline __attribute__((always_inline)) void round_groups_split(
+    const uint16_t *x, const int gs, int n, int8_t *h, uint8_t *l, float *xs, float *sxr) {
+    const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i t[16];
+    for (int i = 0; i < 16; i++) {
+        t[i] = _mm512_setzero_si512();
+        if (i >= n) continue;
+        __m512 f[2];
+        load_group16(x + i * gs, gs, f);
+        for (int k = 0; k < gs / 16; k++)
+            t[i] = _mm512_max_epi32(t[i], _mm512_and_si512(_mm512_castps_si512(f[k]), abs_bits));
+    }
+    __m512i bits; /* lane i: the largest |x| of group i as bits (0 past n) */
+    REDUCE16(t, _mm512_max_epi32, bits);
+    const __mmask16 odd = _mm512_cmpeq_epi32_mask(bits, _mm512_setzero_si512()) |
+                          _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));
+    const __m512i E = _mm512_max_epi32(
+        _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127)),
+        _mm512_set1_epi32(-126));
+    const __m512i e = _mm512_sub_epi32(_mm512_set1_epi32(14), E);
+    /* e / 2 as C divides: toward zero */
+    const __m512i e1 = _mm512_srai_epi32(_mm512_add_epi32(e, _mm512_srli_epi32(e, 31)), 1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    float p1[16], p2[16];
+    _mm512_storeu_si512(p1, _mm512_slli_epi32(_mm512_add_epi32(e1, bias), 23));
+    _mm512_storeu_si512(p2, _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(e, e1), bias), 23));
+    for (int i = 0; i < 16; i++) {
+        t[i] = _mm512_setzero_si512();
+        if (i >= n) continue;
+        if (odd >> i & 1) {
+            __builtin_memset(h + i * gs, 0, (size_t)gs);
+            __builtin_memset(l + i * gs, 0, (size_t)gs);
+            continue;
+        }
+        __m512 f[2];
+        load_group16(x + i * gs, gs, f);
+        const __m512 q1 = _mm512_set1_ps(p1[i]), q2 = _mm512_set1_ps(p2[i]);
+        __m512i a[2];
+        for (int k = 0; k < gs / 16; k++) {
+            a[k] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(f[k], q1), q2));
+            t[i] = _mm512_add_epi32(t[i], a[k]);
+        }
+        /* |v| <= 32640: l and h are bytes 0 and 1 of each int32 */
+        if (gs == 32) {
+            const __m512i b = _mm512_permutex2var_epi8(a[0], _mm512_load_si512(SPLIT_INDEX[1]), a[1]);
+            _mm256_storeu_si256((__m256i *)(l + i * gs), _mm512_castsi512_si256(b));
+            _mm256_storeu_si256((__m256i *)(h + i * gs), _mm512_extracti64x4_epi64(b, 1));
+        } else {
+            const __m512i b = _mm512_permutexvar_epi8(_mm512_load_si512(SPLIT_INDEX[0]), a[0]);
+            _mm_storeu_si128((__m128i *)(l + i * gs), _mm512_castsi512_si128(b));
+            _mm_storeu_si128((__m128i *)(h + i * gs), _mm512_extracti32x4_epi32(b, 1));
+        }
+    }
+    __m512i sum;
+    REDUCE16(t, _mm512_add_epi32, sum);
+    /* xs = 2^(E - 14): a normal float's bits, or below 2^-126 the subnormal's */
+    const __m512i ex = _mm512_sub_epi32(E, _mm512_set1_epi32(14));
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(1),
+                                          _mm512_add_epi32(ex, _mm512_set1_epi32(149)));
+    __m512 s = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+        _mm512_cmpge_epi32_mask(ex, _mm512_set1_epi32(-126)), sub,
+        _mm512_slli_epi32(_mm512_add_epi32(ex, bias), 23)));
+    __m512 r = _mm512_mul_ps(s, _mm512_cvtepi32_ps(sum));
+    /* a group of zeros: 0; one with an inf or a NaN: NaN */
+    const __m512 odd_value = _mm512_castsi512_ps(_mm512_maskz_mov_epi32(
+        _mm512_cmpneq_epi32_mask(bits, _mm512_setzero_si512()), _mm512_set1_epi32(0x7FC00000)));
+    s = _mm512_mask_blend_ps(odd, s, odd_value);
+    r = _mm512_mask_blend_ps(odd, r, odd_value);
+    const __mmask16 keep = (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(xs, keep, s);
+    _mm512_mask_storeu_ps(sxr, keep, r);
+}
+#undef REDUCE16
 #endif
 
 /* The bytes of round_rows_int's v (or h and l) for M rows of K columns (whole 32-byte lines),
@@ -132,19 +215,25 @@ static inline void round_rows_int(const uint16_t *x, int64_t M, int64_t K, int64
     r->l = split ? (uint8_t *)mem + M * K : NULL;
     r->xs = (float *)((char *)mem + int_v_bytes(M, K));
     r->sxr = r->xs + M * groups;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t at = m * K + g * gs;
-            const uint16_t *xg = x + m * ldx + g * gs;
-            float *xs = r->xs + m * groups + g, *sxr = r->sxr + m * groups + g;
+    for (int64_t m = 0; m < M; m++) {
 #ifdef __AVX512F__
-            if (split) {
-                round_group_split(xg, (int)gs, r->h + at, r->l + at, xs, sxr);
-                continue;
+        if (split) {
+            for (int64_t g = 0; g < groups; g += 16) {
+                const int64_t at = m * K + g * gs, n = groups - g < 16 ? groups - g : 16;
+                const uint16_t *xg = x + m * ldx + g * gs;
+                float *xs = r->xs + m * groups + g, *sxr = r->sxr + m * groups + g;
+                if (gs == 32)
+                    round_groups_split(xg, 32, (int)n, r->h + at, r->l + at, xs, sxr);
+                else
+                    round_groups_split(xg, 16, (int)n, r->h + at, r->l + at, xs, sxr);
             }
-#endif
-            round_group(xg, (int)gs, r->v + at, xs, sxr);
+            continue;
         }
+#endif
+        for (int64_t g = 0; g < groups; g++)
+            round_group(x + m * ldx + g * gs, (int)gs, r->v + m * K + g * gs,
+                        r->xs + m * groups + g, r->sxr + m * groups + g);
+    }
 }
 
 /* Where round_rows_int writes `bytes`: room (INT_ROOM bytes on the caller's stack) where they
