@@ -3,12 +3,13 @@
  * of x is rounded to 16-bit integers v on a power-of-two scale xs (round_group: every value
  * within 2^7 of the group's largest keeps all its bits, smaller ones round to a multiple of xs,
  * below 2^-15 of the largest), and per group and output row
- *     A = sum_k v[k] c[n, k]   (vpmaddwd: exact in int32),  a = A xs,  sxr = xs sum_k v[k]
+ *     A = sum_k v[k] c[n, k]   (dot_pairs: exact in int32),  a = A xs,  sxr = xs sum_k v[k]
  *     sum_k x (c - 8) s + z x  =  s a + (z - 8 s) sxr
  * then y = fma(s, a, y), y = fma(zz, sxr, y), group by group. On Zen 2 a 16-bit product pair
  * costs what one fp32 FMA does (one vpmaddwd a cycle, two FMAs), and the codes need no
  * conversion to fp32 (one vcvtdq2ps a cycle bound the fp32 path): a one-row matmul takes about
- * 0.6 of the time it did in fp32 FMAs. vpmaddwd multiplies each code's whole byte (lo + 16 hi)
+ * 0.6 of the time it did in fp32 FMAs; with AVX-VNNI (the avx2_vnni build) one vpdpwssd
+ * replaces vpmaddwd and vpaddd. dot_pairs multiplies each code's whole byte (lo + 16 hi)
  * and its high nibble; the low nibble's sum is the difference. The integer sums are exact and
  * the rest runs the same operations in the same order whatever M is, so a row gets bitwise the
  * same result alone or in a batch.
@@ -66,9 +67,8 @@ static inline __attribute__((always_inline)) void rows_int(const uint8_t *gcols,
             const __m256i xv = _mm256_set1_epi32(pair);
 #pragma GCC unroll 2
             for (int i = 0; i < Q; i++) {
-                a[2 * r * Q + i] = _mm256_add_epi32(a[2 * r * Q + i], _mm256_madd_epi16(wb[i], xv));
-                a[(2 * r + 1) * Q + i] =
-                    _mm256_add_epi32(a[(2 * r + 1) * Q + i], _mm256_madd_epi16(wh[i], xv));
+                a[2 * r * Q + i] = dot_pairs(a[2 * r * Q + i], wb[i], xv);
+                a[(2 * r + 1) * Q + i] = dot_pairs(a[(2 * r + 1) * Q + i], wh[i], xv);
             }
         }
     }

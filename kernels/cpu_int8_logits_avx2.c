@@ -1,5 +1,6 @@
 /* int8_logits of the AVX2 build (AVX2 + FMA + F16C): the numbers of cpu_int8_logits.c (which
- * describes them) with vpmaddwd's 16-bit integer products instead of vpdpwssd.
+ * describes them) with AVX2's 16-bit integer products (dot_pairs: vpmaddwd and vpaddd, or
+ * AVX-VNNI's vpdpwssd in the avx2_vnni build) instead of AVX-512's vpdpwssd.
  *
  * x's rows are rounded as in cpu_int8_rows.h; per group of 32 columns the integer sum
  * A = sum_k u v - corr is exact in int32, then y += float(A) * (s * sx) in fp32, group by
@@ -31,11 +32,16 @@
 #define GS INT8_GROUP
 #define LOGIT_PREFETCH_GROUPS 4
 
-/* acc + the products of w and x's 16-bit pairs: through the intrinsics GCC kept three of
- * tile_rows2's eight sums on the stack (a store and a load per column pair each) */
-static inline __attribute__((always_inline)) __m256i madd_add(__m256i acc, __m256i w, __m256i x) {
+/* dot_pairs (cpu_simd_avx2.h) in asm: through the intrinsics GCC kept three of tile_rows2's
+ * eight sums on the stack (a store and a load per column pair each) */
+static inline __attribute__((always_inline)) __m256i dot_pairs_asm(__m256i acc, __m256i w,
+                                                                   __m256i x) {
+#ifdef __AVXVNNI__
+    __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+#else
     __m256i t;
     __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(w), "x"(x));
+#endif
     return acc;
 }
 
@@ -134,7 +140,7 @@ static inline __attribute__((always_inline)) void rows_half(
         u_words8(ph, K, half, W);
         for (int m = 0; m < MR; m++) {
             const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + m * K + g * GS + 2 * kp));
-            for (int j = 0; j < 4; j++) a[4 * m + j] = madd_add(a[4 * m + j], W[j], xb);
+            for (int j = 0; j < 4; j++) a[4 * m + j] = dot_pairs_asm(a[4 * m + j], W[j], xb);
         }
     }
     group_update(a, scales, n_pad, row0, g, K / GS, sx, corr, out, MR, half, 0, 4);
@@ -169,7 +175,7 @@ static inline __attribute__((always_inline)) void rows_from_words(
     const int R, const int half, const int j0) {
     __m256i a[4 * 2];
     for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_si256();
-    /* intrinsics, unrolled by 2: through madd_add GCC copied every sum between registers
+    /* intrinsics, unrolled by 2: through dot_pairs_asm GCC copied every sum between registers
      * (1.1x the time at 8 rows) */
 #pragma GCC unroll 2
     for (int kp = 0; kp < GS / 2; kp++) {
@@ -177,8 +183,8 @@ static inline __attribute__((always_inline)) void rows_from_words(
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(v + r * K + g * GS + 2 * kp));
-            a[2 * r] = _mm256_add_epi32(a[2 * r], _mm256_madd_epi16(w0, xb));
-            a[2 * r + 1] = _mm256_add_epi32(a[2 * r + 1], _mm256_madd_epi16(w1, xb));
+            a[2 * r] = dot_pairs(a[2 * r], w0, xb);
+            a[2 * r + 1] = dot_pairs(a[2 * r + 1], w1, xb);
         }
     }
     group_update(a, scales, n_pad, row0, g, K / GS, sx, corr, out, R, half, j0, 2);

@@ -27,13 +27,15 @@ Only the CPU backend (`localllm/backends/cpu/`) imports these modules.
 
 There are two builds of the library, from the same packed layouts and references:
 `avx512` (AVX-512 BF16, VBMI and VNNI, and AMX where the CPU has it: Intel Sapphire Rapids and
-later, AMD Zen 4 and later) and `avx2` (AVX2, FMA and F16C: Intel Haswell and later, Alder
-Lake through Arrow Lake included, and AMD Zen 1-3). `isa()` picks the first the CPU runs;
-`LOCALLLM_NATIVE_ISA=avx2` (or `avx512`) asks for one build, e.g. to test the AVX2 build on a
-bigger CPU. Each build is compiled with the system C compiler into the user cache directory,
-once per build, source version, compiler and CPU; without a compiler, without either set of
-CPU features, or with `LOCALLLM_NATIVE=0`, `available()` is False and callers keep PyTorch's
-kernels.
+later, AMD Zen 4 and later) and `avx2` (AVX2, FMA and F16C: Intel Haswell and later, AMD Zen
+1-3). The AVX2 build is also compiled as `avx2_vnni` for CPUs with AVX-VNNI (Intel Alder Lake
+through Arrow Lake): its 16-bit integer products take one `vpdpwssd` where `avx2` takes
+`vpmaddwd` and `vpaddd`, the same int32 sums, so the same bits. `isa()` picks the first of
+ISAS the CPU runs; `LOCALLLM_NATIVE_ISA=avx2` (or `avx2_vnni`, `avx512`) asks for one, e.g.
+to test or measure the AVX2 build on a bigger CPU. Each build is compiled with the system C
+compiler into the user cache directory, once per build, source version, compiler and CPU;
+without a compiler, without either set of CPU features, or with `LOCALLLM_NATIVE=0`,
+`available()` is False and callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _files(*names: str) -> tuple[Path, ...]:
     return tuple(Path(__file__).with_name(n) for n in names)
 
 
-ISAS = ("avx512", "avx2")  # in the order `isa()` prefers them
+ISAS = ("avx512", "avx2_vnni", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
     "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_vnni.c", "cpu_int4_amx.c",
                      "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
@@ -64,6 +66,7 @@ SOURCES = {
                    "cpu_int8_logits_avx2.c", "cpu_ops_avx2.c", "cpu_attn_avx2.c", "cpu_sample.c",
                    "cpu_layers.c"),
 }
+SOURCES["avx2_vnni"] = SOURCES["avx2"]  # with -mavxvnni: dot_pairs (cpu_simd_avx2.h)
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
                      "cpu_int4_xint.h", "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd.h",
@@ -71,10 +74,12 @@ HEADERS = {
     "avx2": _files("cpu_kernels.h", "cpu_int4_avx2.h", "cpu_int4_groups.h", "cpu_int4_xint.h",
                    "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd_avx2.h", "cpu_team.h"),
 }
+HEADERS["avx2_vnni"] = HEADERS["avx2"]
 ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",
                "fma"),
     "avx2": ("avx2", "fma", "f16c"),
+    "avx2_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
 }
 CPU_FLAGS = ISA_FLAGS["avx512"]
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # a prompt's rows on bf16 tiles
@@ -97,6 +102,7 @@ ISA_CFLAGS = {
                "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-mamx-int8",
                *_EXTRA),
     "avx2": (*_COMMON, "-mavx2", "-mfma", "-mf16c", *_EXTRA),
+    "avx2_vnni": (*_COMMON, "-mavx2", "-mfma", "-mf16c", "-mavxvnni", *_EXTRA),
 }
 CFLAGS = ISA_CFLAGS["avx512"]
 _forced = os.environ.get("LOCALLLM_NATIVE_ISA", "").strip().lower() or None

@@ -67,15 +67,17 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """Runs a test through the native CPU kernels (AMX tiles where the CPU has them), through
     them as on CPUs without AMX (the AVX-512 kernels: prompts through the dequantized weight,
     decoding rows off the tiles), through the AVX2 build of the kernels on a CPU whose
-    default is the AVX-512 one, and through PyTorch ops alone (machines without AVX2 or a
+    default is the AVX-512 one ("native-avx2-vnni", where a test asks for it: the AVX2 build
+    with AVX-VNNI), and through PyTorch ops alone (machines without AVX2 or a
     compiler)."""
     from localllm.kernels import cpu_native
 
     amx = ""  # the AMX mode to restore
-    if request.param == "native-avx2":
-        if cpu_native.isa() == "avx2" or "avx2" not in cpu_native.isas_available():
-            pytest.skip("the AVX2 build is this machine's default (\"native\") or does not run")
-        monkeypatch.setattr(cpu_native, "_active", "avx2")
+    build = {"native-avx2": "avx2", "native-avx2-vnni": "avx2_vnni"}.get(request.param)
+    if build:
+        if cpu_native.isa() == build or build not in cpu_native.isas_available():
+            pytest.skip(f"the {build} build is this machine's default (\"native\") or does not run")
+        monkeypatch.setattr(cpu_native, "_active", build)
     elif request.param.startswith("native"):
         if not cpu_native.available():
             pytest.skip("native CPU kernels are not available here (AVX2 + compiler)")

@@ -307,7 +307,8 @@ SMOLLM_TEXTS = [
 # NOTE: not on the PyTorch-ops path ("pytorch"): there 2 of these 8 sequences differ from
 # their tokens alone (its decode logits move by up to 0.75 between steps of 1 and 2 rows,
 # outside the linear layers, whose rows are exact in any batch)
-@pytest.mark.parametrize("cpu_path", ["native", "native-dense", "native-avx2"], indirect=True)
+@pytest.mark.parametrize("cpu_path", ["native", "native-dense", "native-avx2", "native-avx2-vnni"],
+                         indirect=True)
 def test_bf16_default_model_batched_matches_alone(smollm_path: Path, cpu_path: str) -> None:
     """A request's greedy bf16 tokens on the default model are the same alone and in a batch
     with staggered arrivals, with either build of the native kernels, on AMX tiles where the

@@ -124,8 +124,10 @@ def test_int4_mm_gives_the_same_bits_in_both_builds(native_isa: str, group: int,
                                                     offsets: bool) -> None:
     # without a codebook both builds round x to the same integers and sum them exactly: the
     # AVX-512 build gives the AVX2 build's bits, one row or a batch (11 rows: a chunk of 8 and
-    # one of 3), on VNNI and, where the CPU has them, with its batches on AMX-INT8 tiles
-    if set(cpu_native.isas_available()) != {"avx512", "avx2"}:
+    # one of 3), on VNNI and, where the CPU has them, with its batches on AMX-INT8 tiles; so
+    # does the AVX2 build with AVX-VNNI, where the CPU has it
+    builds = cpu_native.isas_available()
+    if not {"avx512", "avx2"} <= set(builds):
         pytest.skip("needs a CPU that runs both builds")
     w = packed(200, 576, planes, group=group, offsets=offsets)
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -135,7 +137,10 @@ def test_int4_mm_gives_the_same_bits_in_both_builds(native_isa: str, group: int,
     x[10, 300] = float("nan")
     ys = {}
     try:
-        for name, amx in (("avx512", False), ("avx512", True), ("avx2", False)):
+        for name, amx in (("avx512", False), ("avx512", True), ("avx2", False),
+                          ("avx2_vnni", False)):
+            if name not in builds:
+                continue
             cpu_native.set_isa(name)
             if cpu_native.set_amx(amx) != amx:
                 continue
@@ -893,9 +898,26 @@ def test_each_build_has_its_own_library_file_and_the_switch_forces_one(native_is
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, env={**os.environ, "LOCALLLM_NATIVE_ISA": want}).stdout
         assert out.startswith(expect), out
-    assert "LOCALLLM_NATIVE_ISA=avx3 is none of avx512, avx2" in out
+    assert "LOCALLLM_NATIVE_ISA=avx3 is none of avx512, avx2_vnni, avx2" in out
     with pytest.raises(ValueError, match="unknown native build 'avx3'"):
         cpu_native.set_isa("avx3")
+
+
+def test_the_build_is_picked_by_the_cpus_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Alder Lake's flags (AVX2, FMA, F16C and AVX-VNNI, no AVX-512) pick avx2_vnni, Zen 3's
+    # (no AVX-VNNI) avx2, Sapphire Rapids' avx512; a forced build the CPU lacks runs nothing
+    monkeypatch.setattr(cpu_native, "_active", None)
+    monkeypatch.setattr(cpu_native, "_forced", None)
+    alder = frozenset({"avx2", "fma", "f16c", "avx_vnni"})
+    zen3 = alder - {"avx_vnni"}
+    spr = alder | set(cpu_native.ISA_FLAGS["avx512"])
+    for flags, want in ((alder, "avx2_vnni"), (zen3, "avx2"), (spr, "avx512")):
+        monkeypatch.setattr(cpu_native, "_cpu_flags", lambda f=flags: f)
+        assert cpu_native.isa() == want
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: zen3)
+    monkeypatch.setattr(cpu_native, "_forced", "avx2_vnni")
+    assert cpu_native.isa() is None
+    assert cpu_native.unavailable_reason() == "the CPU lacks avx_vnni for the avx2_vnni build"
 
 
 def test_the_amx_switch_names_a_mode_and_warns_of_anything_else(native_isa: str) -> None:

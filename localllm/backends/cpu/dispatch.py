@@ -116,7 +116,8 @@ def native_kernels() -> str:
     why the kernels are off."""
     if not cpu_native.available():
         return f"off ({cpu_native.unavailable_reason() or 'the build failed'})"
-    parts = [{"avx512": "AVX-512 BF16", "avx2": "AVX2 FMA"}.get(cpu_native.isa() or "", "?")]
+    parts = [{"avx512": "AVX-512 BF16", "avx2_vnni": "AVX2 FMA + AVX-VNNI", "avx2": "AVX2 FMA"}
+             .get(cpu_native.isa() or "", "?")]
     if cpu_native.gemm_available():
         parts.append("AMX prefill")
     if cpu_native.amx_enabled():
