@@ -10,8 +10,9 @@
  *     gcc -O3 -fopenmp -ffp-contract=off -mavx512f -mavx512bw -mavx512vl -mavx512vbmi \
  *         -mavx512bf16 -mavx512vnni -mfma -mamx-tile -mamx-bf16 -mamx-int8 -Ikernels \
  *         benchmarks/probe_int_decode.c kernels/cpu_int4.c kernels/cpu_int4_avx512.c \
- *         kernels/cpu_int4_vnni.c kernels/cpu_int4_amx.c kernels/cpu_int4_dequant.c \
- *         kernels/cpu_int4_rows.c kernels/cpu_int8_logits.c kernels/cpu_ops.c \
+ *         kernels/cpu_int4_vnni.c kernels/cpu_int4_amx_int8.c kernels/cpu_int4_amx.c \
+ *         kernels/cpu_int4_dequant.c kernels/cpu_int4_rows.c kernels/cpu_int8_logits.c \
+ *         kernels/cpu_ops.c \
  *         kernels/cpu_sample.c kernels/cpu_layers.c -lm -o /tmp/probe_int_decode
  *     /tmp/probe_int_decode [rounds]
  *

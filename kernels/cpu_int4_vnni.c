@@ -14,7 +14,7 @@
  * exact in int32 (|A| < 2^24 for a group of 32). One row of x takes a whole tile a pass, its
  * eight sums in registers; more rows take half a tile (two of the four row blocks, one
  * vpermt2b) a pass over all the groups for up to four rows of x at a time, their running sums
- * in registers too, or with `amx` AMX-INT8 tiles (below).
+ * in registers too, or with `amx` AMX-INT8 tiles (cpu_int4_amx_int8.c).
  * On the Xeon of benchmarks/README.md (one thread, a 3072 x 576 weight in L2,
  * benchmarks/probe_int_decode.c), ns a 64-row tile and group of 32: one row 33-35 on VNNI
  * against 67-75 on the bf16 tiles; eight rows 167-171 on VNNI, 112-114 on AMX-INT8 and 95-97
@@ -29,47 +29,17 @@
 #include <string.h>
 
 #include "cpu_int4.h"
+#include "cpu_int4_vnni.h"
 #include "cpu_int4_xint.h"
 #include "cpu_kernels.h"
 #include "cpu_team.h"
 #include "cpu_simd.h"
-
-#define VNNI_ROWS 8 /* rows of x per pass over a tile: running sums fp32 [8][64] on the stack */
-
-/* vpermt2b indices for half j of a tile: lane n takes byte 16 j + n of each of the 4 columns
- * (the low nibbles: rows 16 j + n; the high ones: rows 32 + 16 j + n) */
-#define QUAD(f, n) (f) + (n), 32 + (f) + (n), 64 + (f) + (n), 96 + (f) + (n)
-#define QUADS(f) QUAD(f, 0), QUAD(f, 1), QUAD(f, 2), QUAD(f, 3), QUAD(f, 4), QUAD(f, 5), \
-    QUAD(f, 6), QUAD(f, 7), QUAD(f, 8), QUAD(f, 9), QUAD(f, 10), QUAD(f, 11), QUAD(f, 12), \
-    QUAD(f, 13), QUAD(f, 14), QUAD(f, 15)
-static const uint8_t QUAD_INDEX[2][64] __attribute__((aligned(64))) = {{QUADS(0)}, {QUADS(16)}};
-
-/* Columns 4q..4q+3 of a group (128 bytes at p) for half j: the codes of row block j (rows
- * 16 j ..) in *lo and of row block j + 2 (rows 32 + 16 j ..) in *hi, 4 columns a lane */
-static inline __attribute__((always_inline)) void quad_half(const uint8_t *p, const int j,
-                                                            __m512i *lo, __m512i *hi) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i b = _mm512_permutex2var_epi8(_mm512_loadu_si512(p),
-                                               _mm512_load_si512(QUAD_INDEX[j]),
-                                               _mm512_loadu_si512(p + 64));
-    *lo = _mm512_and_si512(b, low4);
-    *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-}
 
 /* four bytes of a plane as the 32-bit value every lane gets */
 static inline __m512i bytes4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
-}
-
-/* y + the group's terms for 16 output rows: A = 256 H + L, y = fma(s, A xs, y), then
- * y = fma(zz, sxr, y) (the AVX2 build's update_int, lane for lane) */
-static inline __m512 update(__m512i H, __m512i L, __m512 sc, __m512 zz, float xs, float sxr,
-                            __m512 y) {
-    const __m512i A = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);
-    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(xs));
-    return _mm512_fmadd_ps(zz, _mm512_set1_ps(sxr), _mm512_fmadd_ps(sc, a, y));
 }
 
 /* the scales of group g for the tile's rows row0 .., block r in sc[r] and zz[r] (bias 8) */
@@ -179,125 +149,6 @@ static const RowsTile ROWS_TILES[2][4] = {
     {rows_tile_32_1, rows_tile_32_2, rows_tile_32_3, rows_tile_32_4},
     {rows_tile_16_1, rows_tile_16_2, rows_tile_16_3, rows_tile_16_4}};
 
-/* ---- 2 to VNNI_ROWS rows on AMX-INT8 tiles (groups of 32; where int4_mm's amx is on) ----
- *
- * The same integer sums H and L by tile multiplies, so the same bits as above. A pair of
- * groups (64 columns) of a 64-row tile is four B tiles, one per row block: B row kq (of 16)
- * holds quad kq's 16 rows x 4 codes (u8), as quad_half makes them. x's rows are A tiles of
- * 2 mc rows x 64 bytes, one for h (TDPBSUD: h signed, codes unsigned) and one for l (TDPBUUD):
- * row i mc + m holds group 2q + i of row m in bytes 32 i .. 32 i + 31 and zeros in the others,
- * so that C row i mc + m gets that group's sums alone. Half a tile a pass (C: H and L of two
- * row blocks), then the epilogue group by group in order. */
-#define PAIR_BYTES (2 * GROUP * 32) /* a pair of groups of a 64-row tile: 64 columns */
-
-/* the A cells of x's rows m0 .. m0 + mc - 1 for every pair q of groups: plane p (0: h, 1: l)
- * at cells + (2 q + p) * 2 mc * 64 (the layout above; a last odd group's partner rows zero) */
-static void amx_cells(const IntRows *xr, int64_t m0, int64_t mc, int64_t K, int64_t groups,
-                      int64_t per_plane, uint8_t *cells) {
-    for (int64_t q = 0; q < (groups + 1) / 2; q++)
-        for (int p = 0; p < 2; p++)
-            for (int64_t i = 0; i < 2; i++)
-                for (int64_t m = 0; m < mc; m++) {
-                    uint8_t *row = cells + ((2 * q + p) * 2 * mc + i * mc + m) * 64;
-                    memset(row, 0, 64);
-                    if (2 * q + i < groups) {
-                        const int64_t at = (m0 + m) * K + (2 * q + i) % per_plane * GROUP;
-                        memcpy(row + 32 * i, p ? (const void *)(xr->l + at) : xr->h + at, 32);
-                    }
-                }
-}
-static inline size_t amx_cells_bytes(int64_t mc, int64_t groups) {
-    return (size_t)((groups + 1) / 2 * 2 * 2 * mc * 64);
-}
-
-/* Half j of pair q's codes (ng = 1 or 2 groups at p) as two B tiles: bt[0] row block j,
- * bt[1] row block j + 2 (quad_half's two) */
-static inline __attribute__((always_inline)) void pair_half(const uint8_t *p, int64_t ng,
-                                                            const int j, int fetch,
-                                                            uint8_t bt[2][16][64]) {
-    for (int64_t kq = 0; kq < 8 * ng; kq++) {
-        if (fetch && kq % 2 == 0) { /* the first half streams the weights in */
-            _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES, STREAM_HINT);
-            _mm_prefetch((const char *)p + 128 * kq + PREFETCH_BYTES + 64, STREAM_HINT);
-        }
-        __m512i lo, hi;
-        quad_half(p + 128 * kq, j, &lo, &hi);
-        _mm512_store_si512(bt[0][kq], lo);
-        _mm512_store_si512(bt[1][kq], hi);
-    }
-}
-
-/* Half j (row blocks j and j + 2) of a 64-row tile (codes at `tile`, rows from row0) for MC
- * (2..VNNI_ROWS) rows of x (their cells; xs, sxr from their first row, per_plane apart) into
- * out (fp32 [MC][64]), its sums in registers over all the groups */
-static inline __attribute__((always_inline)) void amx_half(
-    const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,
-    int64_t per_plane, const float *xs, const float *sxr, float *out, const int MC, int j,
-    int fetch) {
-    /* three pairs' B tiles: the next pair is unpacked before this one's multiplies, since a
-     * tile load of just-stored lines waits for the stores */
-    uint8_t bt[3][2][16][64] __attribute__((aligned(64)));
-    int32_t ct[4][2 * VNNI_ROWS][16] __attribute__((aligned(64)));
-    const int64_t pairs = (groups + 1) / 2;
-    __m512 y[VNNI_ROWS][2];
-    for (int m = 0; m < MC; m++) y[m][0] = y[m][1] = _mm512_setzero_ps();
-    pair_half(tile, groups < 2 ? groups : 2, j, fetch, bt[0]);
-    for (int64_t q = 0; q < pairs; q++) {
-        if (q + 1 < pairs)
-            pair_half(tile + (q + 1) * PAIR_BYTES, groups - 2 * (q + 1) < 2 ? 1 : 2, j, fetch,
-                      bt[(q + 1) % 3]);
-        const uint8_t *ah = cells + 2 * q * 2 * MC * 64, *al = ah + 2 * MC * 64;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(5, bt[q % 3][0], 64);
-        _tile_loadd(6, bt[q % 3][1], 64);
-        _tile_loadd(4, ah, 64);
-        _tile_dpbsud(0, 4, 5);
-        _tile_dpbsud(1, 4, 6);
-        _tile_loadd(4, al, 64);
-        _tile_dpbuud(2, 4, 5);
-        _tile_dpbuud(3, 4, 6);
-        _tile_stored(0, ct[0], 64);
-        _tile_stored(1, ct[1], 64);
-        _tile_stored(2, ct[2], 64);
-        _tile_stored(3, ct[3], 64);
-        for (int64_t i = 0; i < 2 && 2 * q + i < groups; i++) {
-            const int64_t g = 2 * q + i, gx = g % per_plane;
-            __m512 sc[2], zz[2];
-            for (int b = 0; b < 2; b++)
-                sc[b] = group_scale(sz, g, row0 + 16 * (j + 2 * b), 8.0f, &zz[b]);
-            for (int m = 0; m < MC; m++)
-                for (int b = 0; b < 2; b++)
-                    y[m][b] = update(_mm512_load_si512(ct[b][i * MC + m]),
-                                     _mm512_load_si512(ct[2 + b][i * MC + m]), sc[b], zz[b],
-                                     xs[m * per_plane + gx], sxr[m * per_plane + gx], y[m][b]);
-        }
-    }
-    for (int m = 0; m < MC; m++)
-        for (int b = 0; b < 2; b++) _mm512_store_ps(out + m * TILE + 16 * (j + 2 * b), y[m][b]);
-}
-
-/* Halves j0 .. j1 - 1 of a 64-row tile for MC rows of x on AMX-INT8 (operands of amx_half),
- * compiled for each MC */
-#define AMX_ARGS                                                                               \
-    const uint8_t *tile, const Scales *sz, int64_t row0, const uint8_t *cells, int64_t groups,  \
-        int64_t per_plane, const float *xs, const float *sxr, float *out, int j0, int j1
-typedef void (*AmxRows)(AMX_ARGS);
-#define AMX_INT8_ROWS(MC)                                                                      \
-    static __attribute__((noinline)) void amx_rows_##MC(AMX_ARGS) {                           \
-        int4_amx_config(2 * MC);                                                               \
-        for (int j = j0; j < j1; j++)                                                          \
-            amx_half(tile, sz, row0, cells, groups, per_plane, xs, sxr, out, MC, j, j == j0);  \
-    }
-AMX_INT8_ROWS(2) AMX_INT8_ROWS(3) AMX_INT8_ROWS(4) AMX_INT8_ROWS(5)
-AMX_INT8_ROWS(6) AMX_INT8_ROWS(7) AMX_INT8_ROWS(8)
-#undef AMX_INT8_ROWS
-static const AmxRows AMX_ROWS_OF[VNNI_ROWS + 1] = {
-    NULL, NULL, amx_rows_2, amx_rows_3, amx_rows_4, amx_rows_5, amx_rows_6, amx_rows_7,
-    amx_rows_8};
-
 /* Tile t (64 output rows) for the M rows of x, its row blocks j and j + 2 for j0 <= j < j1:
  * the whole tile or one half of it. Rows VNNI_ROWS at a time; each row block's sums are the
  * same whichever call computes them. */
@@ -316,10 +167,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             one.xs += m0 * per_plane, one.sxr += m0 * per_plane;
             tile_one_row(tile, sz, row0, &one, groups, per_plane, out, GS);
         } else if (cells && mc > 1) { /* AMX-INT8: chunk m0 / VNNI_ROWS's cells */
-            AMX_ROWS_OF[mc](tile, sz, row0,
-                            cells + m0 / VNNI_ROWS * amx_cells_bytes(VNNI_ROWS, groups), groups,
-                            per_plane, xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out,
-                            j0, j1);
+            int4_int8_rows(cells, m0, mc, tile, sz, row0, groups, per_plane,
+                           xr->xs + m0 * per_plane, xr->sxr + m0 * per_plane, out, j0, j1);
         } else {
             for (int64_t r0 = 0; r0 < mc; r0 += 4) {
                 const int64_t rows = mc - r0 < 4 ? mc - r0 : 4;
@@ -339,19 +188,6 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* The calling thread's buffer for AMX-INT8's cells of M rows (amx_cells, a chunk of
- * VNNI_ROWS rows every amx_cells_bytes(VNNI_ROWS, groups)), grown as needed and kept */
-static __thread uint8_t *cells_buf;
-static __thread size_t cells_buf_bytes;
-static uint8_t *cells_memory(size_t bytes) {
-    if (bytes > cells_buf_bytes) {
-        free(cells_buf);
-        cells_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        cells_buf_bytes = cells_buf ? bytes : 0;
-    }
-    return cells_buf;
-}
-
 /* Thread id's tiles among nth (cpu_team.h's shares); with `amx` (groups of 32), chunks of 2
  * or more rows on AMX-INT8 tiles where this thread's cells can be had (else VNNI: the same
  * bits), the tiles released at the end unless `held` (a team's step releases them). The
@@ -361,14 +197,8 @@ static __attribute__((noinline)) void tile_share_vnni(
     const IntRows *xr, int64_t M, int64_t K, const uint8_t *packed, const Scales *sz, int64_t N,
     int64_t n_pad, int64_t K2, uint16_t *y, int64_t ldy, int64_t gs, int amx, int held,
     int64_t *ranges, int64_t nth, int64_t id) {
-    const int64_t groups = K2 / GROUP, chunk = amx_cells_bytes(VNNI_ROWS, groups);
-    uint8_t *cells = amx && gs == GROUP && M > 1
-                         ? cells_memory((size_t)((M + VNNI_ROWS - 1) / VNNI_ROWS) * chunk)
-                         : NULL;
-    for (int64_t m0 = 0; cells && m0 < M; m0 += VNNI_ROWS) {
-        const int64_t mc = M - m0 < VNNI_ROWS ? M - m0 : VNNI_ROWS;
-        if (mc > 1) amx_cells(xr, m0, mc, K, groups, K / GROUP, cells + m0 / VNNI_ROWS * chunk);
-    }
+    const uint8_t *cells = amx && gs == GROUP && M > 1 ? int4_int8_cells(xr, M, K, K2 / GROUP)
+                                                       : NULL;
     /* the units shared out: one row's whole tiles (its half-tile pass is slower than
      * tile_one_row), a batch's halves of tiles: a thread's last whole tile of 8 rows kept the
      * other waiting at the team's barrier (the engine's 8 streams 5% faster, in-process A/B) */

@@ -59,9 +59,9 @@ def _files(*names: str) -> tuple[Path, ...]:
 
 ISAS = ("avx512", "avx2_vnni", "avx2")  # in the order `isa()` prefers them
 SOURCES = {
-    "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_vnni.c", "cpu_int4_amx.c",
-                     "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c", "cpu_ops.c",
-                     "cpu_sample.c", "cpu_layers.c"),
+    "avx512": _files("cpu_int4.c", "cpu_int4_avx512.c", "cpu_int4_vnni.c", "cpu_int4_amx_int8.c",
+                     "cpu_int4_amx.c", "cpu_int4_dequant.c", "cpu_int4_rows.c", "cpu_int8_logits.c",
+                     "cpu_ops.c", "cpu_sample.c", "cpu_layers.c"),
     "avx2": _files("cpu_int4_avx2.c", "cpu_int4_avx2_int.c", "cpu_int4_rows.c",
                    "cpu_int8_logits_avx2.c", "cpu_ops_avx2.c", "cpu_attn_avx2.c", "cpu_sample.c",
                    "cpu_layers.c"),
@@ -69,8 +69,8 @@ SOURCES = {
 SOURCES["avx2_vnni"] = SOURCES["avx2"]  # with -mavxvnni: dot_pairs (cpu_simd_avx2.h)
 HEADERS = {
     "avx512": _files("cpu_kernels.h", "cpu_int4.h", "cpu_int4_groups.h", "cpu_int4_tiles.h",
-                     "cpu_int4_xint.h", "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd.h",
-                     "cpu_simd_avx2.h", "cpu_team.h"),
+                     "cpu_int4_vnni.h", "cpu_int4_xint.h", "cpu_int8_rows.h", "cpu_paged.h",
+                     "cpu_simd.h", "cpu_simd_avx2.h", "cpu_team.h"),
     "avx2": _files("cpu_kernels.h", "cpu_int4_avx2.h", "cpu_int4_groups.h", "cpu_int4_xint.h",
                    "cpu_int8_rows.h", "cpu_paged.h", "cpu_simd_avx2.h", "cpu_team.h"),
 }
