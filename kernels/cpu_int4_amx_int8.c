@@ -10,7 +10,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "cpu_int4.h"
 #include "cpu_int4_vnni.h"
@@ -18,20 +17,24 @@
 #define PAIR_BYTES (2 * GROUP * 32) /* a pair of groups of a 64-row tile: 64 columns */
 
 /* the A cells of x's rows m0 .. m0 + mc - 1 for every pair q of groups: plane p (0: h, 1: l)
- * at cells + (2 q + p) * 2 mc * 64 (the layout above; a last odd group's partner rows zero) */
+ * at cells + (2 q + p) * 2 mc * 64 (the layout above; a last odd group's partner rows zero),
+ * each row one 64-byte store (0.20 -> 0.12 us for 8 rows of 576 columns with memset and
+ * memcpy a row and the plane's column found by a division each) */
 static void amx_cells(const IntRows *xr, int64_t m0, int64_t mc, int64_t K, int64_t groups,
                       int64_t per_plane, uint8_t *cells) {
-    for (int64_t q = 0; q < (groups + 1) / 2; q++)
-        for (int p = 0; p < 2; p++)
-            for (int64_t i = 0; i < 2; i++)
-                for (int64_t m = 0; m < mc; m++) {
-                    uint8_t *row = cells + ((2 * q + p) * 2 * mc + i * mc + m) * 64;
-                    memset(row, 0, 64);
-                    if (2 * q + i < groups) {
-                        const int64_t at = (m0 + m) * K + (2 * q + i) % per_plane * GROUP;
-                        memcpy(row + 32 * i, p ? (const void *)(xr->l + at) : xr->h + at, 32);
-                    }
-                }
+    for (int64_t g = 0; g < (groups + 1) / 2 * 2; g++) {
+        const int64_t q = g / 2, i = g % 2, at = g < groups ? m0 * K + g % per_plane * GROUP : -1;
+        for (int p = 0; p < 2; p++) {
+            const uint8_t *plane = at < 0 ? NULL : (p ? xr->l : (const uint8_t *)xr->h) + at;
+            uint8_t *row = cells + ((2 * q + p) * 2 * mc + i * mc) * 64;
+            for (int64_t m = 0; m < mc; m++, row += 64) {
+                const __m256i v = plane ? _mm256_loadu_si256((const __m256i *)(plane + m * K))
+                                        : _mm256_setzero_si256();
+                _mm512_store_si512(row, i ? _mm512_inserti64x4(_mm512_setzero_si512(), v, 1)
+                                          : _mm512_zextsi256_si512(v));
+            }
+        }
+    }
 }
 static inline size_t amx_cells_bytes(int64_t mc, int64_t groups) {
     return (size_t)((groups + 1) / 2 * 2 * 2 * mc * 64);
