@@ -1,8 +1,8 @@
 /* The AVX-512 build's integer path (cpu_int4_vnni.c) for 2 to VNNI_ROWS rows of x on AMX-INT8
  * tiles, groups of 32, where int4_mm's amx is on: the same integer sums H and L by tile
- * multiplies as VNNI's, so the same bits. A pair of
- * groups (64 columns) of a 64-row tile is four B tiles, one per row block: B row kq (of 16)
- * holds quad kq's 16 rows x 4 codes (u8), as quad_half makes them. x's rows are A tiles of
+ * multiplies as VNNI's, so the same bits. A pair of groups (64 columns) of a 64-row tile is
+ * four B tiles, one per row block: B row kq (of 16) holds quad kq's 16 rows x 4 codes (u8), as
+ * quad_half makes them. x's rows are A tiles of
  * 2 mc rows x 64 bytes, one for h (TDPBSUD: h signed, codes unsigned) and one for l (TDPBUUD):
  * row i mc + m holds group 2q + i of row m in bytes 32 i .. 32 i + 31 and zeros in the others,
  * so that C row i mc + m gets that group's sums alone. Half a tile a pass (C: H and L of two
