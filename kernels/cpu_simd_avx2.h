@@ -8,7 +8,6 @@
 #include <stdint.h>
 #include <string.h>
 
-/* 8 bf16 values -> fp32, exactly */
 /* acc + the products of a and b's 16-bit pairs, summed a pair to a 32-bit lane: one vpdpwssd
  * where the CPU has AVX-VNNI (the avx2_vnni build), else vpmaddwd and vpaddd. The same int32
  * in both: each wraps modulo 2^32, and a pair's sum is exact below that. */
@@ -21,6 +20,7 @@ static inline __attribute__((always_inline)) __m256i dot_pairs(__m256i acc, __m2
 #endif
 }
 
+/* 8 bf16 values -> fp32, exactly */
 static inline __m256 load8_bf16(const uint16_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
