@@ -8,6 +8,7 @@ import torch
 
 from localllm.backends.cpu import CpuBackend, dispatch, packing, weights
 from localllm.backends.cpu.dispatch import decode_rows, step_rows
+from localllm.backends.cpu.ops import silu_mul
 from localllm.backends.cpu.packing import cpu_packable
 from localllm.backends.cpu.weights import CpuPackedWeight
 from localllm.kernels import cpu_int4
@@ -300,6 +301,23 @@ def test_a_prompt_takes_the_path_of_its_whole_length() -> None:
     assert torch.equal(torch.as_tensor(groups[1][1]), torch.tensor([2, 3, 4, 5, 6, 10, 11, 12, 13]))
     with step_rows(((2, 0), (5, 40))):  # rows that do not add up: the count decides
         assert dispatch.row_groups(native, 9) == [(dispatch.K, slice(0, 9))]
+
+
+@pytest.mark.parametrize("kind", ["q4_1-like", "q8_0-like"])
+def test_gated_mlp_product_of_more_kernel_rows_than_a_block(kind: str, cpu_path: str) -> None:
+    # rows on the row kernel beyond GATED_BLOCK: the gate/up product a block of rows at a
+    # time, each row's bits as alone and as the whole product's
+    gate, up = WEIGHTS[kind](128), WEIGHTS[kind](128)
+    lin = fuse_linears([quant_linear(gate), quant_linear(up)])
+    assert lin is not None
+    m = 2 * dispatch.GATED_BLOCK + 7
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    with decode_rows(m):
+        y = lin.silu_gated(x)
+        whole = silu_mul(lin(x))  # the product of every row at once
+    assert torch.equal(y, whole)
+    for i in (0, dispatch.GATED_BLOCK - 1, dispatch.GATED_BLOCK, 2 * dispatch.GATED_BLOCK, m - 1):
+        assert torch.equal(y[i], lin.silu_gated(x[i:i + 1])[0])
 
 
 @pytest.mark.parametrize("kind", ["q4_1-like", "q8_0-like"])

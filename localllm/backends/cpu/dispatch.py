@@ -69,6 +69,9 @@ ROW_POLICY: dict[tuple[str, str], Policy] = {
 # the MLP's gate and up write silu(gate) * up tile by tile (`int4_gemm(gated=True)`) for more
 # rows than AMX tiles on the codes take
 GATED_MIN_ROWS = 33
+# without them (no AMX) a prompt's gate/up product is held GATED_BLOCK rows at a time (a 512-token
+# chunk's whole [rows, 2 * intermediate] raised the default model's peak memory by 3 MiB)
+GATED_BLOCK = 128
 
 # how many leading rows of the batch in flight are decoding tokens (see the module docstring)
 _DECODE_ROWS: ContextVar[int] = ContextVar("decode_rows", default=0)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from localllm.backends.cpu.dispatch import (
+    GATED_BLOCK,
     GATED_MIN_ROWS,
     ROW_POLICY,
     MatmulPath,
@@ -259,8 +260,8 @@ class CpuPackedWeight:
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x W_gate^T) * (x W_up^T) for a weight stacking gate and up (its first and second
         halves of rows): x [rows, in] -> [rows, out / 2]. A prompt's rows on AMX compute the
-        activation tile by tile (`cpu_native.int4_gemm`), so the [rows, out] product is never
-        held whole."""
+        activation tile by tile (`cpu_native.int4_gemm`), and more than GATED_BLOCK rows on the
+        row kernel a block of rows at a time, so the [rows, out] product is never held whole."""
         inter, m = self.out_features // 2, x.shape[0]
         groups = row_groups(self._policy(), m)
         # outside a step only a batch's own rows decide (at least GATED_MIN_ROWS of them);
@@ -268,6 +269,13 @@ class CpuPackedWeight:
         if inter % TILE or not any(
                 path is MatmulPath.GEMM and (step_planned() or _count(rows, m) >= GATED_MIN_ROWS)
                 for path, rows in groups):
+            if m > GATED_BLOCK and self._native() and all(
+                    path is MatmulPath.KERNEL for path, _ in groups):
+                # the row kernel's rows do not depend on the call's: the same bits
+                act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+                for r0 in range(0, m, GATED_BLOCK):
+                    act[r0:r0 + GATED_BLOCK] = silu_mul(self._kernel(x[r0:r0 + GATED_BLOCK]))
+                return act
             return silu_mul(self.matmul(x))
         act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
         for path, rows in groups:
