@@ -79,8 +79,8 @@ ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",
                "fma"),
     "avx2": ("avx2", "fma", "f16c"),
-    "avx2_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
 }
+ISA_FLAGS["avx2_vnni"] = (*ISA_FLAGS["avx2"], "avx_vnni")
 CPU_FLAGS = ISA_FLAGS["avx512"]
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # a prompt's rows on bf16 tiles
 AMX_DECODE_FLAGS = ("amx_tile", "amx_int8")  # decoding rows' batches on AMX-INT8 tiles
