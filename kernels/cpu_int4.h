@@ -1,6 +1,7 @@
 /* Internal to the int4 kernel files (cpu_int4.c, cpu_int4_avx512.c, cpu_int4_vnni.c,
- * cpu_int4_amx_int8.c, cpu_int4_amx.c, cpu_int4_dequant.c): the packed weight layout, the helpers that unpack its
- * nibbles and read its scales, and the tile paths that int4_mm chooses between.
+ * cpu_int4_amx_int8.c, cpu_int4_amx.c, cpu_int4_dequant.c): the packed weight layout, the
+ * helpers that unpack its nibbles and read its scales, and the tile paths that int4_mm chooses
+ * between.
  *
  * y[m, n] = sum_k x[m, k mod K] * ((c[n, k] - 8) * s[k / gs, n] + z[k / gs, n]),  k < planes * K
  * with groups of gs = 32 columns (Q4_0, Q4_1, Q4_K, Q8_0, Q5_*) or 16 (Q2_K, Q3_K, Q6_K);
